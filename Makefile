@@ -1,0 +1,32 @@
+# The two set-up commands of the README:  `make run`  and  `make test`.
+# Each creates or refreshes its own virtual environment in .venv.
+SHELL  := bash
+.SHELLFLAGS := -o pipefail -c
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# A pinned torch goes in first: where a CPU build of it sits in pip's find-links it is taken
+# from there in seconds; elsewhere pip gets PyPI's build (CUDA on Linux). Override freely,
+# e.g. `make run TORCH_SPEC=torch` or a CUDA index URL in PIP_EXTRA_INDEX_URL.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: run test venv clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "pdchat needs Python 3.11+")'
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "setting up $(VENV) (first time takes a minute)…"
+	@$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)" 2>&1 | { grep -v "^WARNING: Location" || true; }
+	@$(PY) -m pip install -q --disable-pip-version-check -e ".[dev]" 2>&1 | { grep -v "^WARNING: Location" || true; }
+	@$(PY) -c "import pdchat.engine, pdchat.chatapp" && touch $@
+
+venv: $(VENV)/.installed
+
+run: venv
+	$(VENV)/bin/pdchat $(ARGS)
+
+test: venv
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,2 @@
+def main():
+    raise SystemExit("pdchat CLI is being built")

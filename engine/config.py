@@ -1,0 +1,69 @@
+"""Engine and sampling configuration: plain dataclasses, validated once."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from .errors import InvalidRequest
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    device: str = "auto"               # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"                # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
+    block_size: int = 16
+    kv_cache_mb: int | None = None     # KV pool budget; None: 512 MB on CPU, a share of free memory on GPU
+    gpu_memory_fraction: float = 0.85  # of the memory free after loading, for the KV pool on GPU
+    max_model_len: int | None = None   # None: the model's own context window
+    max_num_seqs: int = 64             # max requests in one step (batch size)
+    chunk_size: int | None = 256       # per-step token budget for prefill chunks; None: no chunking
+    prefix_cache: bool = True
+    kv_cache: bool = True              # False = naive mode: recompute the whole sequence each step
+    attention_backend: str = "auto"    # auto | torch | triton
+    threads: int | None = None         # torch intra-op threads on CPU; None: leave torch's default
+    seed: int = 0                      # for random: models
+    telemetry: bool = True             # sample device utilization on a side thread
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise InvalidRequest(f"block size must be a power of two, got {self.block_size}")
+        if self.chunk_size is not None and self.chunk_size <= 0:
+            raise InvalidRequest(f"chunk size must be positive, got {self.chunk_size}")
+        if self.max_num_seqs <= 0:
+            raise InvalidRequest(f"max batch size must be positive, got {self.max_num_seqs}")
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = 0                     # 0: off
+    min_p: float = 0.0                 # 0: off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is None or self.max_tokens <= 0:
+            raise InvalidRequest(f"max tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequest(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequest(f"top-k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p < 1:
+            raise InvalidRequest(f"min-p must be in [0, 1), got {self.min_p}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in self.stop if s]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    def with_(self, **changes) -> "SamplingParams":
+        return replace(self, **changes)

@@ -1,0 +1,364 @@
+"""The Engine: loads a model, owns the KV pool, and runs the step loop on a background thread.
+
+submit() is thread-safe and returns a RequestStream at once; the loop admits, schedules, runs one
+mixed forward per step, samples, detokenizes and publishes events. All scheduler and block
+state is touched by the loop thread only; other threads talk to it through an inbox.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import sys
+import threading
+import time
+import traceback
+from dataclasses import replace
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .block_manager import BlockManager
+from .config import EngineConfig, SamplingParams
+from .detokenizer import IncrementalDetokenizer
+from .errors import ContextTooLong, EngineClosed, InvalidRequest, KVCacheTooSmall
+from .loader import load, pick_device, pick_dtype
+from .metrics import EngineStats, RequestMetrics
+from .model_runner import ModelRunner
+from .model_source import resolve
+from .sampler import sample
+from .scheduler import ScheduledSeq, Scheduler, StepPlan
+from .sequence import Sequence, Status
+from .stream import Completion, FinishEvent, ProgressEvent, RequestStream, TokenEvent
+
+Prompt = str | list[dict[str, str]] | list[int]
+
+CPU_KV_MB = 512
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class _Output:
+    """Per-request text state: detokenizer, stop strings, what has been emitted."""
+
+    def __init__(self, detok: IncrementalDetokenizer, stop: list[str]):
+        self.detok = detok
+        self.stop = stop
+        self.text = ""
+        self.emitted = 0
+        self.hold = max((len(s) for s in stop), default=1) - 1   # a stop string may be forming
+
+        self.stopped = False
+
+    def add(self, token_id: int) -> str:
+        """Add a token; return the text to emit now. Sets `stopped` when a stop string appears."""
+        self.text += self.detok.add(token_id)
+        for s in self.stop:
+            at = self.text.find(s, max(0, self.emitted - len(s)))
+            if at >= 0:
+                self.text = self.text[:at]
+                self.stopped = True
+                return self._emit(len(self.text))
+        return self._emit(len(self.text) - self.hold)
+
+    def finish(self) -> str:
+        """The held-back rest of the text, once the request ends."""
+        if not self.stopped:
+            self.text += self.detok.flush()
+        return self._emit(len(self.text))
+
+    def _emit(self, upto: int) -> str:
+        upto = max(upto, self.emitted)
+        out, self.emitted = self.text[self.emitted:upto], upto
+        return out
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, *, say: Callable[[str], None] = _stderr,
+                 **overrides: Any):
+        cfg = replace(config or EngineConfig(), **overrides)
+        self.config = cfg
+        self.device = pick_device(cfg.device)
+        self.dtype = pick_dtype(cfg.dtype, self.device)
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.files = resolve(cfg.model, say)
+        say(f"loading {cfg.model} on {self.device} ({str(self.dtype).removeprefix('torch.')})…")
+        self.loaded = load(self.files, self.device, self.dtype, seed=cfg.seed)
+        self.tokenizer = self.loaded.tokenizer
+        mc = self.loaded.config
+        self.model_config = mc
+        self.max_model_len = min(cfg.max_model_len or mc.max_position, mc.max_position)
+        self.kv_bytes_per_token = mc.kv_bytes_per_token(self.dtype)
+        num_blocks = self._pool_blocks()
+        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_cache)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs=cfg.max_num_seqs, chunk_size=cfg.chunk_size,
+                                   kv_cache=cfg.kv_cache, max_model_len=self.max_model_len)
+        backend = cfg.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch"
+        self.runner = ModelRunner(self.loaded.model, mc, self.device, self.dtype, num_blocks,
+                                  cfg.block_size, backend)
+        self.monitor = None
+        if cfg.telemetry:
+            from .telemetry import DeviceMonitor
+            self.monitor = DeviceMonitor(self.device)
+            self.monitor.start()
+        self._seqs: dict[str, Sequence] = {}
+        self._outputs: dict[str, _Output] = {}
+        self._ids = itertools.count()
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._lock = threading.RLock()           # one step, or one toggle change, at a time
+        self._closed = False
+        self._last_step = (None, 0, 0)           # (ms, prefill tokens, decode tokens)
+        self._generator = torch.Generator(device=self.device).manual_seed(torch.seed() % 2**63)
+        self._thread = threading.Thread(target=self._loop, name="pdchat-engine", daemon=True)
+        self._thread.start()
+
+    # ---- sizing ---------------------------------------------------------------------------
+    def _pool_blocks(self) -> int:
+        cfg = self.config
+        per_block = self.kv_bytes_per_token * cfg.block_size
+        if cfg.kv_cache_mb is not None:
+            budget = cfg.kv_cache_mb * 2**20
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * cfg.gpu_memory_fraction)
+        else:
+            budget = CPU_KV_MB * 2**20
+        useful = cfg.max_num_seqs * (-(-self.max_model_len // cfg.block_size))   # more is never used
+        blocks = min(budget // per_block, useful)
+        if blocks < 1:
+            raise KVCacheTooSmall(f"a KV budget of {budget / 2**20:.1f} MB holds no block of "
+                                  f"{per_block / 2**20:.2f} MB")
+        return int(blocks)
+
+    # ---- requests -------------------------------------------------------------------------
+    def encode(self, prompt: Prompt, system: str | None = None) -> list[int]:
+        """Token ids for a prompt: text (as one user turn), chat messages, or ids as they are."""
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise InvalidRequest("empty prompt")
+            messages = [{"role": "user", "content": prompt}]
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary "
+                                     f"(0..{self.model_config.vocab_size - 1})")
+            return list(prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            for m in prompt:
+                if "role" not in m or not isinstance(m.get("content"), str):
+                    raise InvalidRequest("each chat message needs a 'role' and a string 'content'")
+            messages = list(prompt)
+        else:
+            raise InvalidRequest("empty prompt" if not prompt else
+                                 "a prompt is a string, a list of chat messages, or a list of token ids")
+        if system and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": system}] + messages
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        else:
+            text = "\n\n".join(m["content"] for m in messages)
+        ids = tok.encode(text, add_special_tokens=False)
+        if not ids:
+            raise InvalidRequest("empty prompt")
+        return ids
+
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, system: str | None = None,
+               namespace: Any = None) -> RequestStream:
+        """Queue a request; returns its stream at once. Raises InvalidRequest / ContextTooLong."""
+        if self._closed:
+            raise EngineClosed("the engine is shut down")
+        params = params or SamplingParams()
+        ids = self.encode(prompt, system)
+        if len(ids) >= self.max_model_len:
+            raise ContextTooLong(len(ids), self.max_model_len)
+        if self.blocks.blocks_for(len(ids) + 1) > self.blocks.num_blocks:
+            raise KVCacheTooSmall(
+                f"prompt of {len(ids)} tokens needs more than the whole KV pool "
+                f"({self.blocks.num_blocks * self.blocks.block_size} tokens); raise --kv-cache-mb")
+        rid = f"req-{next(self._ids)}"
+        stream = RequestStream(rid, self._request_cancel)
+        seq = Sequence(rid, ids, params, namespace=namespace, sink=stream)
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        stream.put(ProgressEvent("queued", 0, len(ids), 0, seq.t_submit))
+        self._inbox.put(("add", seq))
+        self._wake.set()
+        return stream
+
+    def generate(self, prompts: Iterable[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
+                 *, system: str | None = None) -> list[Completion]:
+        """Run prompts together (continuous batching inside); completions in input order."""
+        prompts = list(prompts)
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        streams = [self.submit(p, sp, system=system) for p, sp in zip(prompts, plist)]
+        return [s.result() for s in streams]
+
+    def _request_cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id))
+        self._wake.set()
+
+    # ---- toggles & stats ------------------------------------------------------------------
+    def update(self, **changes: Any) -> None:
+        """Runtime toggles: prefix_cache, kv_cache, chunk_size, max_num_seqs. Apply to new steps."""
+        with self._lock:
+            unknown = set(changes) - {"prefix_cache", "kv_cache", "chunk_size", "max_num_seqs"}
+            if unknown:
+                raise InvalidRequest(f"unknown engine setting(s): {', '.join(sorted(unknown))}")
+            self.config = replace(self.config, **changes)     # validates
+            if "prefix_cache" in changes:
+                self.blocks.set_prefix_cache(changes["prefix_cache"] and self.config.kv_cache)
+            if "kv_cache" in changes:
+                self.scheduler.kv_cache = changes["kv_cache"]
+                self.blocks.set_prefix_cache(self.config.prefix_cache and changes["kv_cache"])
+            if "chunk_size" in changes:
+                self.scheduler.chunk_size = changes["chunk_size"]
+            if "max_num_seqs" in changes:
+                self.scheduler.max_num_seqs = changes["max_num_seqs"]
+
+    def stats(self) -> EngineStats:
+        b = self.blocks
+        ms, pre, dec = self._last_step
+        bpt, bs = self.kv_bytes_per_token, b.block_size
+        st = EngineStats(
+            model=self.config.model, kv_block_size=bs, kv_blocks_total=b.num_blocks, kv_blocks_used=b.num_used,
+            kv_blocks_cached=b.num_cached_free, kv_bytes_per_token=bpt, kv_bytes_used=b.num_used * bs * bpt,
+            kv_bytes_total=b.num_blocks * bs * bpt, running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting), step_ms=ms, step_prefill_tokens=pre, step_decode_tokens=dec,
+            prefix_hit_rate=b.hit_rate, device=str(self.device), weight_bytes=self.loaded.model.weight_bytes(),
+            prefix_cache=self.config.prefix_cache, kv_cache=self.config.kv_cache,
+            chunk_size=self.config.chunk_size, max_num_seqs=self.config.max_num_seqs,
+        )
+        if self.monitor is not None:
+            snap = self.monitor.snapshot()
+            for name in ("device_name", "device_util_pct", "device_mem_used", "device_mem_total",
+                         "device_power_w", "cpu_util_pct", "rss_bytes"):
+                setattr(st, name, getattr(snap, name))
+        return st
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+        if self.monitor is not None:
+            self.monitor.stop()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- the loop -------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            self._drain_inbox()
+            if self._closed:
+                for seq in list(self._seqs.values()):
+                    self._finish(seq, "cancelled", error="engine shut down")
+                return
+            if not self.scheduler.has_work:
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            with self._lock:
+                try:
+                    self.step()
+                except Exception as e:   # a failed step must not kill the engine
+                    traceback.print_exc(file=sys.stderr)
+                    for seq in list(self.scheduler.running):
+                        self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._seqs[arg.request_id] = arg
+                self._outputs[arg.request_id] = _Output(
+                    IncrementalDetokenizer(self.tokenizer, arg.prompt_ids), arg.params.stop)
+                self.scheduler.add(arg)
+            elif kind == "cancel" and arg in self._seqs:
+                self._finish(self._seqs[arg], "cancelled")
+
+    def step(self) -> StepPlan:
+        """One scheduling step and one forward. Runs on the loop thread."""
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        for seq in plan.failed:
+            self._finish(seq, "error", error=(
+                f"the KV pool ({self.blocks.num_blocks * self.blocks.block_size} tokens) cannot hold "
+                f"this request; raise --kv-cache-mb"))
+        if not plan.items:
+            return plan
+        for item in plan.items:
+            if item.seq.t_first_token is None and item.seq.num_computed_tokens == (item.seq.num_cached_prompt_tokens or 0):
+                self._progress(item.seq, "prefill", item.seq.num_computed_tokens)
+        sampling = [i for i in plan.items if i.samples]
+        logits = self.runner.forward(plan.items, [[i.num_tokens - 1] if i.samples else [] for i in plan.items])
+        tokens = sample(logits, [i.seq.params for i in sampling],
+                        [i.seq.generator or self._generator for i in sampling]).tolist()
+        now = time.perf_counter()
+        prefill_tokens, decode_tokens = plan.num_prefill_tokens, plan.num_decode_tokens
+        for item in plan.items:
+            seq = item.seq
+            mid_prefill = not item.samples
+            seq.num_computed_tokens += item.num_tokens
+            if self.scheduler.kv_cache:
+                self.blocks.commit(seq, seq.num_computed_tokens)
+            if mid_prefill:
+                self._progress(seq, "prefill", seq.num_computed_tokens)
+        for item, token in zip(sampling, tokens):
+            self._append(item.seq, token, now)
+        self._last_step = ((time.perf_counter() - t0) * 1000, prefill_tokens, decode_tokens)
+        return plan
+
+    def _progress(self, seq: Sequence, phase: str, computed: int) -> None:
+        seq.sink.put(ProgressEvent(phase, min(computed, seq.num_prompt_tokens), seq.num_prompt_tokens,
+                                   seq.num_cached_prompt_tokens or 0, time.perf_counter()))
+
+    def _append(self, seq: Sequence, token: int, now: float) -> None:
+        first = seq.t_first_token is None
+        seq.token_ids.append(token)
+        seq.token_times.append(now)
+        if first:
+            seq.t_first_token = now
+            self._progress(seq, "decode", seq.num_prompt_tokens)
+        params = seq.params
+        if token in self.loaded.eos_token_ids and not params.ignore_eos:
+            seq.token_ids.pop()                      # EOS ends the output; it is not part of it
+            seq.token_times.pop()
+            self._finish(seq, "stop")
+            return
+        out = self._outputs[seq.request_id]
+        text = out.add(token)
+        seq.sink.put(TokenEvent(token, text, now, seq.num_output_tokens - 1))
+        if out.stopped:
+            self._finish(seq, "stop")
+        elif seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        if seq.finished:
+            return
+        self.scheduler.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        seq.error = error
+        out = self._outputs.pop(seq.request_id)
+        tail = out.finish()
+        if tail:
+            seq.sink.put(TokenEvent(seq.token_ids[-1], tail, time.perf_counter(), seq.num_output_tokens - 1))
+        self._seqs.pop(seq.request_id, None)
+        completion = Completion(out.text, seq.output_ids, reason, RequestMetrics.of(seq), error,
+                                prompt_token_ids=seq.prompt_ids)
+        seq.sink.put(FinishEvent(completion))

@@ -1,0 +1,118 @@
+"""Build our Transformer and the tokenizer from resolved model files, on a device and dtype."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import DeviceUnavailable, ModelLoadError
+from .model import Transformer
+from .model_config import ModelConfig
+from .model_source import ModelFiles
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def pick_device(name: str) -> torch.device:
+    """auto -> cuda when available, else cpu; an explicit cuda without a GPU is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise DeviceUnavailable("--device cuda was asked for, but no CUDA GPU is available "
+                                    "(use --device cpu, or auto to pick the best device)")
+        return torch.device(name)
+    if name == "cpu":
+        return torch.device("cpu")
+    raise DeviceUnavailable(f"unknown device {name!r} (auto, cpu, cuda, cuda:N)")
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # bf16 through torch on CPU is far slower than fp32; on GPU bf16 is the norm.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ModelLoadError(f"unknown dtype {name!r} (auto, float32, bfloat16, float16)") from None
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: Any
+    config: ModelConfig
+    hf_config: dict[str, Any]
+    eos_token_ids: frozenset[int]
+    files: ModelFiles
+
+
+def hf_config_of(files: ModelFiles) -> dict[str, Any]:
+    if files.random_preset is not None:
+        from .random_models import preset_config
+        return preset_config(files.random_preset)
+    try:
+        return json.loads((files.path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"unreadable config.json in {files.path}: {e}") from e
+
+
+def load_hf_state_dict(files: ModelFiles, device: torch.device, dtype: torch.dtype, seed: int = 0) -> dict:
+    if files.random_preset is not None:
+        from .random_models import random_state_dict
+        return random_state_dict(hf_config_of(files), seed=seed, device=device, dtype=dtype)
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    state: dict[str, torch.Tensor] = {}
+    shards = sorted(files.path.glob("*.safetensors"))
+    if not shards:
+        raise ModelLoadError(f"no .safetensors weights in {files.path}")
+    for shard in shards:
+        try:
+            state.update(load_file(str(shard)))
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"corrupt weights file {shard}: {e}") from e
+    return state
+
+
+def load_tokenizer(files: ModelFiles) -> Any:
+    if files.random_preset is not None:
+        from .random_models import byte_tokenizer
+        return byte_tokenizer()
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(files.path))
+    except Exception as e:
+        raise ModelLoadError(f"could not load the tokenizer in {files.path}: {e}") from e
+
+
+def eos_ids(cfg: ModelConfig, files: ModelFiles, tokenizer: Any) -> frozenset[int]:
+    ids = set(cfg.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    gen = files.path / "generation_config.json" if files.path else None
+    if gen is not None and gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return frozenset(ids)
+
+
+def load(files: ModelFiles, device: torch.device, dtype: torch.dtype, seed: int = 0) -> LoadedModel:
+    hf_cfg = hf_config_of(files)
+    cfg = ModelConfig.from_hf(hf_cfg)
+    tokenizer = load_tokenizer(files)
+    with torch.device("meta"):
+        model = Transformer(cfg)                  # no time spent on random init
+    model = model.to_empty(device=device).to(dtype)
+    model.inv_freq = cfg.rope_inv_freq().to(device)
+    state = load_hf_state_dict(files, device, dtype, seed)
+    try:
+        model.load_hf_state_dict(state)
+    except (KeyError, ValueError) as e:
+        raise ModelLoadError(f"weights do not fit the config in {files.path}: {e}") from e
+    del state
+    model.eval().requires_grad_(False)
+    return LoadedModel(model, tokenizer, cfg, hf_cfg, eos_ids(cfg, files, tokenizer), files)

@@ -1,0 +1,98 @@
+"""Per-request metrics and the engine snapshot, with the stable names of ARCHITECTURE.md.
+
+A value that cannot be measured is None (JSON null, shown as "n/a"), never a made-up number.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from .sequence import Sequence
+
+
+def _ms(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else (b - a) * 1000.0
+
+
+@dataclass
+class RequestMetrics:
+    queue_ms: float | None = None
+    ttft_ms: float | None = None
+    prefill_ms: float | None = None
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    prefill_tok_s: float | None = None
+    output_tokens: int = 0
+    decode_ms: float | None = None
+    tpot_ms: float | None = None
+    decode_tok_s: float | None = None
+    itl_ms: list[float] = field(default_factory=list)
+    spec_method: str | None = None
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    preemptions: int = 0
+    finish_reason: str | None = None
+
+    @classmethod
+    def of(cls, seq: Sequence) -> "RequestMetrics":
+        times = seq.token_times
+        cached = seq.num_cached_prompt_tokens or 0
+        prefill_ms = _ms(seq.t_first_scheduled, seq.t_first_token)
+        computed = seq.num_prompt_tokens - cached
+        decode_ms = _ms(times[0], times[-1]) if len(times) > 1 else None
+        steps = len(times) - 1
+        return cls(
+            queue_ms=_ms(seq.t_submit, seq.t_first_scheduled),
+            ttft_ms=_ms(seq.t_submit, seq.t_first_token),
+            prefill_ms=prefill_ms,
+            prompt_tokens=seq.num_prompt_tokens,
+            cached_prompt_tokens=cached,
+            prefill_tok_s=computed / (prefill_ms / 1000) if prefill_ms else None,
+            output_tokens=seq.num_output_tokens,
+            decode_ms=decode_ms,
+            tpot_ms=decode_ms / steps if decode_ms is not None else None,
+            decode_tok_s=steps / (decode_ms / 1000) if decode_ms else None,
+            itl_ms=[(b - a) * 1000.0 for a, b in zip(times, times[1:])],
+            spec_method=seq.spec_method,
+            spec_drafted=seq.spec_drafted,
+            spec_accepted=seq.spec_accepted,
+            preemptions=seq.preemptions,
+            finish_reason=seq.finish_reason,
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class EngineStats:
+    model: str = ""
+    kv_block_size: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_cached: int = 0
+    kv_bytes_per_token: int = 0
+    kv_bytes_used: int = 0
+    kv_bytes_total: int = 0
+    running: int = 0
+    waiting: int = 0
+    step_ms: float | None = None
+    step_prefill_tokens: int = 0
+    step_decode_tokens: int = 0
+    prefix_hit_rate: float | None = None
+    device: str = "cpu"
+    device_name: str | None = None
+    device_util_pct: float | None = None
+    device_mem_used: int | None = None
+    device_mem_total: int | None = None
+    device_power_w: float | None = None
+    cpu_util_pct: float | None = None
+    rss_bytes: int | None = None
+    weight_bytes: int = 0
+    # toggles in force, so a UI can show them next to the numbers
+    prefix_cache: bool = True
+    kv_cache: bool = True
+    chunk_size: int | None = None
+    max_num_seqs: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)

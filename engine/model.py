@@ -1,0 +1,165 @@
+"""One Llama-family transformer (Llama 2/3, Mistral, SmolLM, Qwen2/2.5, Qwen3) over a paged KV cache.
+
+The batch is flat: T tokens from any number of sequences, each with its own position. Attention
+is delegated to a backend that writes the new K/V rows into the paged cache and attends over it,
+so the same forward serves prefill chunks, decodes and speculative verification.
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .model_config import ModelConfig
+
+# attend(layer_index, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the weights' dtype, as the reference implementation does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; cos/sin: [T, D] (the half-split layout of Hugging Face Llama)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attend(self.layer, q, k, v)
+        return self.o(out.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.inter, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.norm_attn = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.norm_mlp = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+        x = x + self.attn(self.norm_attn(x), cos, sin, attend)
+        return x + self.mlp(self.norm_mlp(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", cfg.rope_inv_freq(), persistent=False)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq.unsqueeze(0)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        dtype = self.embed.weight.dtype
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden] (normalised)."""
+        cos, sin = self.rope(positions)
+        x = self.embed(input_ids)
+        for block in self.layers:
+            x = block(x, cos, sin, attend)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # ---- weights ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_hf_state_dict(self, hf: Mapping[str, torch.Tensor]) -> None:
+        """Copy weights named as in Hugging Face checkpoints, fusing q/k/v and gate/up."""
+        cfg = self.cfg
+
+        def take(name: str) -> torch.Tensor:
+            try:
+                return hf[name]
+            except KeyError:
+                raise KeyError(f"weight {name!r} missing from checkpoint") from None
+
+        own = {"embed.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
+        if self.lm_head is not None:
+            own["lm_head.weight"] = hf.get("lm_head.weight", own["embed.weight"])
+        for i in range(cfg.num_layers):
+            p, a = f"model.layers.{i}.", f"layers.{i}."
+            attn = p + "self_attn."
+            own[a + "attn.qkv.weight"] = torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"])
+            if cfg.qkv_bias:
+                own[a + "attn.qkv.bias"] = torch.cat([take(attn + f"{n}_proj.bias") for n in "qkv"])
+            if cfg.qk_norm:
+                own[a + "attn.q_norm.weight"] = take(attn + "q_norm.weight")
+                own[a + "attn.k_norm.weight"] = take(attn + "k_norm.weight")
+            own[a + "attn.o.weight"] = take(attn + "o_proj.weight")
+            own[a + "mlp.gate_up.weight"] = torch.cat(
+                [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+            )
+            own[a + "mlp.down.weight"] = take(p + "mlp.down_proj.weight")
+            own[a + "norm_attn.weight"] = take(p + "input_layernorm.weight")
+            own[a + "norm_mlp.weight"] = take(p + "post_attention_layernorm.weight")
+        params = dict(self.named_parameters())
+        for name, tensor in own.items():
+            dst = params[name]
+            if dst.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dst.shape)}")
+            dst.copy_(tensor)
+
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())

@@ -1,0 +1,76 @@
+"""Turns a step plan into one flat varlen forward over the paged KV cache, and returns logits."""
+from __future__ import annotations
+
+import torch
+
+from pdchat.kernels import reference
+from .model import Transformer
+from .model_config import ModelConfig
+from .scheduler import ScheduledSeq
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                 num_blocks: int, block_size: int, attention_backend: str = "torch"):
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.scale = cfg.head_dim ** -0.5
+        self.attention_backend = attention_backend
+        self.store_kv = reference.store_kv
+        self.paged_attention = reference.paged_attention
+        if attention_backend == "triton":
+            from pdchat.kernels import triton_attention
+            self.store_kv = triton_attention.store_kv
+            self.paged_attention = triton_attention.paged_attention
+
+    @property
+    def kv_bytes_total(self) -> int:
+        return 2 * self.k_cache.numel() * self.k_cache.element_size()
+
+    @torch.inference_mode()
+    def forward(self, items: list[ScheduledSeq], rows: list[list[int]]) -> torch.Tensor:
+        """Compute items' new tokens; return fp32 logits for the requested rows.
+
+        rows[i] lists offsets within item i's new tokens (e.g. [n-1] for the last one).
+        """
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qlens: list[int] = []
+        clens: list[int] = []
+        want: list[int] = []
+        for item, item_rows in zip(items, rows):
+            seq = item.seq
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_tokens
+            table = seq.block_table
+            want.extend(len(ids) + r for r in item_rows)
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            qlens.append(item.num_tokens)
+            clens.append(end)
+        max_blocks = max(len(i.seq.block_table) for i in items)
+        tables = torch.zeros(len(items), max_blocks, dtype=torch.int32)
+        for i, item in enumerate(items):
+            tables[i, :len(item.seq.block_table)] = torch.tensor(item.seq.block_table, dtype=torch.int32)
+        dev = self.device
+        input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
+        pos = torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True)
+        slot_mapping = torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True)
+        block_tables = tables.to(dev, non_blocking=True)
+        qsl = torch.tensor([0] + qlens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(dev, non_blocking=True)
+        context_lens = torch.tensor(clens, dtype=torch.int32).to(dev, non_blocking=True)
+        k_cache, v_cache = self.k_cache, self.v_cache
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            self.store_kv(k, v, k_cache[layer], v_cache[layer], slot_mapping)
+            return self.paged_attention(q, k_cache[layer], v_cache[layer], block_tables, qsl, context_lens,
+                                        self.scale, query_lens_host=qlens, context_lens_host=clens)
+
+        hidden = self.model(input_ids, pos, attend)
+        return self.model.logits(hidden[torch.tensor(want, device=dev)])

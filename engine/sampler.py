@@ -1,0 +1,64 @@
+"""Token sampling: greedy, temperature, top-k, top-p (boundary token kept), min-p; seeded per request.
+
+`target_probs` gives the processed distribution a request samples from, so speculative
+verification accepts or rejects against exactly what plain decoding would have sampled.
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import SamplingParams
+
+
+def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits [B, V] (fp32) -> probabilities [B, V] after temperature, top-k, top-p and min-p.
+
+    Greedy rows become one-hot on the argmax.
+    """
+    B, V = logits.shape
+    device = logits.device
+    greedy = torch.tensor([p.greedy for p in params], device=device)
+    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+    logits = logits / temps.unsqueeze(1)
+
+    top_k = [p.top_k for p in params]
+    top_p = [p.top_p for p in params]
+    if any(0 < k < V for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        ks = torch.tensor([k if 0 < k < V else V for k in top_k], device=device)
+        remove |= torch.arange(V, device=device).unsqueeze(0) >= ks.unsqueeze(1)
+        ps = torch.tensor(top_p, device=device, dtype=logits.dtype)
+        probs_sorted = sorted_logits.masked_fill(remove, float("-inf")).softmax(-1)
+        # Drop a token when the mass before it already reaches top_p: the token that crosses
+        # the boundary stays.
+        before = probs_sorted.cumsum(-1) - probs_sorted
+        remove |= before >= ps.unsqueeze(1)
+        remove[:, 0] = False
+        logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits.masked_fill(remove, float("-inf")))
+
+    probs = logits.softmax(-1)
+    min_p = torch.tensor([p.min_p for p in params], device=device, dtype=probs.dtype)
+    if bool((min_p > 0).any()):
+        keep = probs >= min_p.unsqueeze(1) * probs.max(-1, keepdim=True).values
+        probs = probs * keep
+        probs = probs / probs.sum(-1, keepdim=True)
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
+    return probs
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> torch.Tensor:
+    """logits [B, V] -> token ids [B] (on logits' device)."""
+    if all(p.greedy for p in params):
+        return logits.argmax(-1)
+    probs = target_probs(logits, params)
+    out = torch.empty(len(params), dtype=torch.long, device=logits.device)
+    for i, (p, g) in enumerate(zip(params, generators)):
+        if p.greedy:
+            out[i] = probs[i].argmax()
+        else:
+            out[i] = torch.multinomial(probs[i], 1, generator=g)[0]
+    return out

@@ -1,0 +1,147 @@
+"""Continuous batching with a per-step token budget, chunked prefill and preemption.
+
+Each step: running sequences first (decodes before unfinished prefills, so a stream never
+stalls behind a long prompt), then waiting requests FCFS while the budget, the batch size and
+the KV pool allow. Everything planned runs in ONE forward (a mixed batch). When the pool runs
+out, the latest-admitted running sequence is preempted by recompute: its blocks are released
+(their cached prefix usually survives) and it goes back to the head of the queue.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from .block_manager import BlockManager
+from .sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int          # new tokens computed this step, starting at seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the sequence's last known token, so logits are needed."""
+        return self.seq.num_computed_tokens + self.num_tokens == len(self.seq.token_ids)
+
+
+@dataclass
+class StepPlan:
+    items: list[ScheduledSeq]
+    failed: list[Sequence]   # requests that can never fit the pool (finish with an error)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(i.num_tokens for i in self.items if i.seq.in_prefill)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(i.num_tokens for i in self.items if not i.seq.in_prefill)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, *, max_num_seqs: int, chunk_size: int | None,
+                 kv_cache: bool = True, max_model_len: int):
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.chunk_size = chunk_size          # None: each prefill in one piece
+        self.kv_cache = kv_cache              # False: naive mode, recompute everything every step
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._admissions = itertools.count()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or cancelled sequence and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free_seq(seq)
+
+    def schedule(self) -> StepPlan:
+        budget = self.chunk_size if (self.chunk_size and self.kv_cache) else None
+        plan: list[ScheduledSeq] = []
+        failed: list[Sequence] = []
+        preempted = False
+
+        def take(seq: Sequence) -> int:
+            n = seq.num_uncomputed
+            return n if budget is None else min(n, max(budget, 1))
+
+        for seq in sorted(self.running, key=lambda s: s.num_uncomputed > 1):
+            if seq.status is not Status.RUNNING:          # preempted earlier in this loop
+                continue
+            if not self.kv_cache:
+                seq.num_computed_tokens = 0
+            if budget is not None and budget <= 0 and seq.num_uncomputed > 1:
+                continue                                   # unfinished prefill waits a step
+            n = take(seq)
+            while not self.blocks.ensure_capacity(seq, seq.num_computed_tokens + n):
+                victim = max((s for s in self.running), key=lambda s: s.admitted_order)
+                if victim is seq and len(self.running) == 1:
+                    # Alone and still out of blocks: the pool cannot hold this sequence.
+                    self.running.remove(seq)
+                    self.blocks.free_seq(seq)
+                    failed.append(seq)
+                    break
+                self._preempt(victim)
+                preempted = True
+                for item in [i for i in plan if i.seq is victim]:   # already planned: unplan it
+                    plan.remove(item)
+                    if budget is not None:
+                        budget += item.num_tokens
+                if victim is seq:
+                    break
+            if seq.status is Status.RUNNING and seq not in failed:
+                plan.append(ScheduledSeq(seq, n))
+                if budget is not None:
+                    budget -= n
+
+        while self.waiting and not preempted and len(plan) < self.max_num_seqs:
+            if budget is not None and budget <= 0:
+                break
+            seq = self.waiting[0]
+            first_admission = seq.num_cached_prompt_tokens is None
+            hit = self.blocks.match_prefix(seq) if self.kv_cache else 0
+            seq.num_computed_tokens = hit
+            n = take(seq)
+            if not self.blocks.ensure_capacity(seq, seq.num_computed_tokens + n):
+                self.blocks.free_seq(seq)
+                seq.num_computed_tokens = 0
+                if not self.running and not plan:
+                    self.waiting.popleft()
+                    failed.append(seq)
+                    continue
+                break
+            self.waiting.popleft()
+            if first_admission:
+                seq.num_cached_prompt_tokens = hit
+                self.blocks.record_lookup(seq.num_prompt_tokens, hit)
+            if seq.t_first_scheduled is None:
+                seq.t_first_scheduled = time.perf_counter()
+            seq.status = Status.RUNNING
+            seq.admitted_order = next(self._admissions)
+            self.running.append(seq)
+            plan.append(ScheduledSeq(seq, n))
+            if budget is not None:
+                budget -= n
+        return StepPlan(plan, failed)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free_seq(seq)
+        seq.num_computed_tokens = 0
+        seq.status = Status.WAITING
+        seq.preemptions += 1
+        self.waiting.appendleft(seq)

@@ -1,0 +1,83 @@
+"""What a request hands back: a thread-safe stream of events, ending in a Completion."""
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from .errors import EngineError
+from .metrics import RequestMetrics
+
+
+@dataclass
+class TokenEvent:
+    token_id: int
+    text: str            # text delta this token completed (may be empty mid-character)
+    t: float             # perf_counter seconds
+    index: int           # 0-based position among the output tokens
+
+
+@dataclass
+class ProgressEvent:
+    """Phase changes and prefill progress: phase is queued | prefill | decode."""
+    phase: str
+    computed: int        # prompt tokens whose K/V exist (cached ones included)
+    total: int           # prompt tokens
+    cached: int          # prompt tokens taken from the prefix cache
+    t: float
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    metrics: RequestMetrics
+    error: str | None = None
+    prompt_token_ids: list[int] = field(default_factory=list, repr=False)
+
+
+@dataclass
+class FinishEvent:
+    completion: Completion
+
+
+Event = TokenEvent | ProgressEvent | FinishEvent
+
+
+class RequestStream:
+    """Iterate to receive events; the iteration ends after the FinishEvent. Thread-safe."""
+
+    def __init__(self, request_id: str, cancel: Callable[[str], None]):
+        self.request_id = request_id
+        self._cancel = cancel
+        self._events: queue.Queue[Event] = queue.Queue()
+        self._completion: Completion | None = None
+
+    def put(self, event: Event) -> None:
+        self._events.put(event)
+
+    def __iter__(self) -> Iterator[Event]:
+        while self._completion is None:
+            event = self._events.get()
+            if isinstance(event, FinishEvent):
+                self._completion = event.completion
+            yield event
+
+    def cancel(self) -> None:
+        """Stop generating; the stream still ends with a FinishEvent (finish_reason 'cancelled')."""
+        self._cancel(self.request_id)
+
+    def result(self, timeout: float | None = None) -> Completion:
+        """Block until done and return the Completion (events not yet read are dropped)."""
+        while self._completion is None:
+            try:
+                event = self._events.get(timeout=timeout)
+            except queue.Empty:
+                raise EngineError(f"request {self.request_id} did not finish in {timeout} s") from None
+            if isinstance(event, FinishEvent):
+                self._completion = event.completion
+        return self._completion
+
+    def text(self) -> str:
+        return self.result().text
