@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +64,8 @@ def hf_config_of(files: ModelFiles) -> dict[str, Any]:
 def load_hf_state_dict(files: ModelFiles, device: torch.device, dtype: torch.dtype, seed: int = 0) -> dict:
     if files.random_preset is not None:
         from .random_models import random_state_dict
+        # Presets of the same shape still get different weights.
+        seed = seed + zlib.crc32(files.random_preset.encode())
         return random_state_dict(hf_config_of(files), seed=seed, device=device, dtype=dtype)
     from safetensors import SafetensorError
     from safetensors.torch import load_file

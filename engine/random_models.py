@@ -76,7 +76,9 @@ def random_state_dict(cfg: dict[str, Any], seed: int = 0, device: str | torch.de
     def norm(dim: int) -> torch.Tensor:
         return 1 + normal(dim, std=0.1)
 
-    sd = {"model.embed_tokens.weight": normal(cfg["vocab_size"], h, std=1.0), "model.norm.weight": norm(h)}
+    # The final norm gets random signs: with tied embeddings a positive one makes every token
+    # predict itself (logit = |e|^2), and greedy text degenerates into repeats.
+    sd = {"model.embed_tokens.weight": normal(cfg["vocab_size"], h, std=1.0), "model.norm.weight": normal(h, std=1.0)}
     if not cfg.get("tie_word_embeddings"):
         sd["lm_head.weight"] = linear(cfg["vocab_size"], h)
     for i in range(cfg["num_hidden_layers"]):

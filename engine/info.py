@@ -1,0 +1,43 @@
+"""What `pdchat info` prints: versions, device, GPU, and where pdchat keeps its files."""
+from __future__ import annotations
+
+import importlib.metadata as md
+import platform
+import sys
+
+import torch
+
+from . import paths
+from .model_source import cached_models
+
+
+def _version(dist: str) -> str:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return "not installed"
+
+
+def info() -> dict[str, str]:
+    out = {
+        "pdchat": _version("pdchat"),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "triton": _version("triton"),
+        "textual": _version("textual"),
+        "cpu threads": str(torch.get_num_threads()),
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        out["device"] = f"cuda ({torch.cuda.device_count()} GPU)"
+        out["gpu"] = f"{props.name}, {props.total_memory / 2**30:.1f} GiB, CUDA {torch.version.cuda}"
+    else:
+        out["device"] = "cpu (no CUDA GPU found)"
+    out["data dir"] = str(paths.data_dir())
+    out["config dir"] = str(paths.config_dir())
+    out["cache dir"] = str(paths.cache_dir())
+    models = cached_models()
+    out["cached models"] = ", ".join(name for name, _, _ in models) or "none"
+    return out
