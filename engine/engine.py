@@ -203,6 +203,21 @@ class Engine:
         self._inbox.put(("cancel", request_id))
         self._wake.set()
 
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """fp32 logits at every position of token_ids ([len, vocab]), through the paged path.
+
+        For scoring (perplexity) and for checking against a reference implementation.
+        """
+        with self._lock:
+            seq = Sequence("score", list(token_ids), SamplingParams(max_tokens=1))
+            if not self.blocks.ensure_capacity(seq, len(token_ids)):
+                raise KVCacheTooSmall(f"{len(token_ids)} tokens do not fit the free KV blocks now")
+            try:
+                item = ScheduledSeq(seq, len(token_ids))
+                return self.runner.forward([item], [list(range(len(token_ids)))])
+            finally:
+                self.blocks.free_seq(seq)
+
     # ---- toggles & stats ------------------------------------------------------------------
     def update(self, **changes: Any) -> None:
         """Runtime toggles: prefix_cache, kv_cache, chunk_size, max_num_seqs. Apply to new steps."""

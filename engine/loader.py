@@ -85,8 +85,12 @@ def load_tokenizer(files: ModelFiles) -> Any:
     if files.random_preset is not None:
         from .random_models import byte_tokenizer
         return byte_tokenizer()
-    from transformers import AutoTokenizer
     try:
+        if (files.path / "tokenizer.json").is_file():
+            # The fast class directly: AutoTokenizer's resolution costs over a second at start-up.
+            from transformers import PreTrainedTokenizerFast
+            return PreTrainedTokenizerFast.from_pretrained(str(files.path))
+        from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(str(files.path))
     except Exception as e:
         raise ModelLoadError(f"could not load the tokenizer in {files.path}: {e}") from e
@@ -109,8 +113,9 @@ def load(files: ModelFiles, device: torch.device, dtype: torch.dtype, seed: int 
     tokenizer = load_tokenizer(files)
     with torch.device("meta"):
         model = Transformer(cfg)                  # no time spent on random init
+    inv_freq = model.inv_freq
     model = model.to_empty(device=device).to(dtype)
-    model.inv_freq = cfg.rope_inv_freq().to(device)
+    model.inv_freq = inv_freq.to(device)          # to_empty leaves buffers uninitialised
     state = load_hf_state_dict(files, device, dtype, seed)
     try:
         model.load_hf_state_dict(state)

@@ -25,8 +25,11 @@ def hf_model_for(engine) -> torch.nn.Module:
 @torch.inference_mode()
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     ids = torch.tensor([prompt_ids])
+    # Never stop early (like our ignore_eos): an EOS id no token can have. Clearing the EOS does not
+    # work (transformers falls back to the model config), and min_new_tokens *suppresses* EOS.
+    never = model.config.vocab_size + 1
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+                         do_sample=False, eos_token_id=[never], pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
 
 

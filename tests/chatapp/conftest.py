@@ -1,0 +1,39 @@
+"""Shared fixtures: a tmp data dir, a store, a FakeBackend and an app factory."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdchat.chatapp.app import PdchatApp
+from pdchat.chatapp.fake_backend import FakeBackend
+from pdchat.chatapp.store import Store
+
+
+@pytest.fixture(autouse=True)
+def _dirs(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDCHAT_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("PDCHAT_CONFIG_DIR", str(tmp_path / "config"))
+
+
+@pytest.fixture
+def make_app(tmp_path):
+    made = []
+
+    def make(backend: FakeBackend | None = None, store: Store | None = None, **kw) -> PdchatApp:
+        backend = backend or FakeBackend()
+        store = store or Store(tmp_path / "data" / "pdchat.db")
+        app = PdchatApp(backend, store, export_dir=tmp_path / "exports", **kw)
+        app.clipboard_calls = []
+        app.copy_to_clipboard = app.clipboard_calls.append
+        made.append(store)
+        return app
+
+    yield make
+    for store in made:
+        try:
+            store.close()
+        except Exception:
+            pass
+
+

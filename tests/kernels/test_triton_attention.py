@@ -1,0 +1,170 @@
+"""Triton store_kv / paged_attention against kernels.reference, at toy sizes.
+
+Without a GPU these run in Triton's interpreter (tests/kernels/conftest.py sets TRITON_INTERPRET);
+with one, the same cases run compiled on it.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pdchat.kernels import reference
+from pdchat.kernels import triton_attention as ta
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.float16: dict(atol=1e-2, rtol=1e-2),
+       torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+bf16_dot = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    INTERPRET, reason="Triton's interpreter multiplies bf16 tl.dot operands as raw uint16 bits"))
+
+
+class Batch:
+    """A flat ragged batch over a paged cache whose blocks are shuffled and interleaved."""
+
+    def __init__(self, qlens: list[int], clens: list[int], kv_heads: int, group: int, head_dim: int,
+                 block_size: int, dtype: torch.dtype, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.qlens, self.clens = qlens, clens
+        need = [-(-c // block_size) for c in clens]
+        num_blocks = sum(need) + 3                      # spare blocks hold garbage nobody may read
+        ids = torch.randperm(num_blocks, generator=g).tolist()
+        # Padding entries point at a real (garbage) block, so reading past a table shows up.
+        self.block_tables = torch.full((len(clens), max(need) + 1), ids[-1], dtype=torch.int32)
+        for i, n in enumerate(need):
+            self.block_tables[i, :n] = torch.tensor(ids[:n], dtype=torch.int32)
+            ids = ids[n:]
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.k_cache = torch.randn(shape, generator=g).to(dtype)
+        self.v_cache = torch.randn(shape, generator=g).to(dtype)
+        H, T = kv_heads * group, sum(qlens)
+        # q as the engine makes it: a strided view into a fused qkv projection.
+        qkv = torch.randn(T, (H + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+        self.q = qkv[:, : H * head_dim].view(T, H, head_dim)
+        self.query_start_loc = torch.tensor([0] + qlens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        self.context_lens = torch.tensor(clens, dtype=torch.int32)
+
+    def args(self, device: str) -> tuple:
+        return tuple(x.to(device) for x in (self.q, self.k_cache, self.v_cache, self.block_tables,
+                                            self.query_start_loc, self.context_lens))
+
+    def expected(self, scale: float) -> torch.Tensor:
+        # The oracle in fp32 on the very values the kernel sees: the exact answer to compare with.
+        q, k, v = self.q.float(), self.k_cache.float(), self.v_cache.float()
+        return reference.paged_attention(q, k, v, self.block_tables, self.query_start_loc, self.context_lens,
+                                         scale, query_lens_host=self.qlens, context_lens_host=self.clens)
+
+
+def check(out: torch.Tensor, batch: Batch, scale: float, dtype: torch.dtype) -> None:
+    assert out.shape == batch.q.shape and out.dtype == dtype
+    torch.testing.assert_close(out.cpu().float(), batch.expected(scale), **TOL[dtype])
+
+
+# One batch with every kind of work the scheduler mixes: a fresh prefill, a prefill chunk over a
+# cached prefix longer than a key tile, a decode and a 5-token speculative verification.
+MIXED_Q = [37, 20, 1, 5, 3]
+MIXED_C = [37, 70, 45, 50, 150]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, bf16_dot])
+@pytest.mark.parametrize("kv_heads, group, head_dim, block_size", [
+    (2, 1, 16, 16), (2, 2, 32, 8), (1, 4, 16, 16), (3, 3, 24, 8),   # GQA 1/2/4, and SmolLM's 3
+])
+def test_mixed_batch(dtype: torch.dtype, kv_heads: int, group: int, head_dim: int, block_size: int) -> None:
+    b = Batch(MIXED_Q, MIXED_C, kv_heads, group, head_dim, block_size, dtype, seed=group)
+    scale = head_dim ** -0.5
+    out = ta.paged_attention(*b.args(DEVICE), scale, query_lens_host=b.qlens, context_lens_host=b.clens)
+    check(out, b, scale, dtype)
+
+
+def test_host_lists_are_optional() -> None:
+    b = Batch([4, 1, 9], [4, 33, 60], 2, 2, 16, 16, torch.float32, seed=5)
+    check(ta.paged_attention(*b.args(DEVICE), 0.3), b, 0.3, torch.float32)
+
+
+def test_long_prefill_takes_several_query_tiles() -> None:
+    # 70 tokens x group 2 = 140 rows: two 128-row tiles (64 tokens each), the second partial.
+    b = Batch([70, 2], [70, 9], 1, 2, 16, 16, torch.float16, seed=7)
+    check(ta.paged_attention(*b.args(DEVICE), 0.25, query_lens_host=b.qlens, context_lens_host=b.clens),
+          b, 0.25, torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group", [1, 4])
+def test_decode_batch(dtype: torch.dtype, group: int) -> None:
+    b = Batch([1, 1, 1, 1], [1, 16, 77, 130], 2, group, 32, 16, dtype, seed=group)
+    assert ta.decode_splits(4, 2, max(b.clens), 132) == 1     # short contexts: the varlen kernel
+    check(ta.paged_attention(*b.args(DEVICE), 0.2, query_lens_host=b.qlens, context_lens_host=b.clens),
+          b, 0.2, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, bf16_dot])
+@pytest.mark.parametrize("group, num_splits", [(1, 2), (4, 3), (2, 5)])
+def test_split_k_decode(dtype: torch.dtype, group: int, num_splits: int) -> None:
+    # Contexts from 1 token (all but one split empty) to several key tiles per split.
+    b = Batch([1, 1, 1], [300, 1, 95], 2, group, 16, 8, dtype, seed=num_splits)
+    out = ta.paged_attention_split_k(*b.args(DEVICE), 0.25, num_splits)
+    check(out, b, 0.25, dtype)
+
+
+def test_paged_attention_picks_split_k_for_long_single_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = ta.paged_attention_split_k
+
+    def spy(*args: object) -> torch.Tensor:
+        calls.append(args[-1])
+        return real(*args)
+
+    monkeypatch.setattr(ta, "paged_attention_split_k", spy)
+    monkeypatch.setattr(ta, "_sm_count", lambda device: 132)
+    b = Batch([1], [600], 2, 2, 16, 16, torch.float32, seed=11)
+    check(ta.paged_attention(*b.args(DEVICE), 0.25, query_lens_host=b.qlens, context_lens_host=b.clens),
+          b, 0.25, torch.float32)
+    assert calls == [ta.decode_splits(1, 2, 600, 132)] and calls[0] > 1
+
+
+@pytest.mark.parametrize("num_seqs, kv_heads, max_context, sm_count, expected", [
+    (1, 8, 8192, 132, 32),        # capped by MAX_SPLITS
+    (1, 8, 1024, 132, 4),         # capped by MIN_SPLIT_TOKENS of context per split
+    (4, 8, 8192, 132, 9),         # enough splits for ~2 programs per SM
+    (64, 8, 8192, 132, 1),        # 512 programs already fill the GPU
+    (1, 8, 300, 132, 1),          # too short to split
+])
+def test_decode_splits(num_seqs: int, kv_heads: int, max_context: int, sm_count: int, expected: int) -> None:
+    assert ta.decode_splits(num_seqs, kv_heads, max_context, sm_count) == expected
+
+
+@pytest.mark.parametrize("dtype, cache_dtype", [
+    (torch.float32, torch.float32), (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16),
+    pytest.param(torch.float32, torch.bfloat16, marks=pytest.mark.skipif(
+        INTERPRET, reason="Triton's interpreter truncates fp32->bf16 where the GPU rounds to nearest even")),
+])
+def test_store_kv_matches_reference_and_skips_padding(dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(3)
+    num_blocks, block_size, kv_heads, head_dim = 6, 8, 3, 24
+    T = 11
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:T]
+    slots[[2, 7]] = -1                                # padding rows
+    kv = torch.randn(T, 3 * kv_heads * head_dim, generator=g).to(dtype)
+    k = kv[:, kv_heads * head_dim: 2 * kv_heads * head_dim].view(T, kv_heads, head_dim)   # strided views
+    v = kv[:, 2 * kv_heads * head_dim:].view(T, kv_heads, head_dim)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(cache_dtype)
+    v_cache = torch.randn(shape, generator=g).to(cache_dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    reference.store_kv(k, v, k_ref, v_ref, slots)
+    k_out, v_out = k_cache.to(DEVICE, copy=True), v_cache.to(DEVICE, copy=True)
+    ta.store_kv(k.to(DEVICE), v.to(DEVICE), k_out, v_out, slots.to(DEVICE))
+    assert torch.equal(k_out.cpu(), k_ref) and torch.equal(v_out.cpu(), v_ref)
+    assert not torch.equal(k_ref, k_cache)            # the store did write something
+
+
+def test_kernels_package_imports_without_triton() -> None:
+    code = "import sys; sys.modules['triton'] = None; import pdchat.kernels as k; print(k.paged_attention.__module__)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "pdchat.kernels.reference"
