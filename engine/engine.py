@@ -356,11 +356,16 @@ class Engine:
             return
         out = self._outputs[seq.request_id]
         text = out.add(token)
-        seq.sink.put(TokenEvent(token, text, now, seq.num_output_tokens - 1))
+        reason = None
         if out.stopped:
-            self._finish(seq, "stop")
+            reason = "stop"
         elif seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= self.max_model_len:
-            self._finish(seq, "length")
+            reason = "length"
+        if reason:
+            text += out.finish()                     # the last token carries any held-back text
+        seq.sink.put(TokenEvent(token, text, now, seq.num_output_tokens - 1))
+        if reason:
+            self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         if seq.finished:
@@ -370,9 +375,7 @@ class Engine:
         seq.finish_reason = reason
         seq.error = error
         out = self._outputs.pop(seq.request_id)
-        tail = out.finish()
-        if tail:
-            seq.sink.put(TokenEvent(seq.token_ids[-1], tail, time.perf_counter(), seq.num_output_tokens - 1))
+        out.finish()              # completion.text may extend the streamed deltas (EOS, cancel)
         self._seqs.pop(seq.request_id, None)
         completion = Completion(out.text, seq.output_ids, reason, RequestMetrics.of(seq), error,
                                 prompt_token_ids=seq.prompt_ids)

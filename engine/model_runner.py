@@ -73,4 +73,4 @@ class ModelRunner:
                                         self.scale, query_lens_host=qlens, context_lens_host=clens)
 
         hidden = self.model(input_ids, pos, attend)
-        return self.model.logits(hidden[torch.tensor(want, device=dev)])
+        return self.model.logits(hidden[torch.tensor(want, dtype=torch.long, device=dev)])

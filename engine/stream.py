@@ -39,6 +39,8 @@ class Completion:
 
 @dataclass
 class FinishEvent:
+    """The last event. completion.text is authoritative: after an EOS or a cancel it may extend
+    the streamed deltas by text that was held back (a forming stop string, half a character)."""
     completion: Completion
 
 

@@ -1,0 +1,119 @@
+"""Block accounting, prefix caching, LRU eviction: values, not just that calls ran."""
+from __future__ import annotations
+
+import random
+
+from pdchat.engine.block_manager import BlockManager
+from pdchat.engine.config import SamplingParams
+from pdchat.engine.sequence import Sequence
+
+
+def seq(tokens, rid="r"):
+    return Sequence(rid, list(tokens), SamplingParams())
+
+
+def test_allocation_and_free_counts():
+    bm = BlockManager(8, 4)
+    s = seq(range(10))
+    assert bm.ensure_capacity(s, 10)
+    assert len(s.block_table) == 3 and bm.num_used == 3 and bm.num_free == 5
+    assert bm.ensure_capacity(s, 12) and len(s.block_table) == 3     # still fits in 3 blocks
+    assert bm.ensure_capacity(s, 13) and len(s.block_table) == 4
+    assert not bm.ensure_capacity(seq(range(100), "big"), 100)       # needs 25 blocks: nothing taken
+    assert bm.num_used == 4
+    bm.free_seq(s)
+    assert bm.num_used == 0 and bm.num_free == 8 and s.block_table == []
+
+
+def test_prefix_hit_needs_committed_full_blocks_and_never_covers_last_token():
+    bm = BlockManager(16, 4)
+    a = seq(range(10), "a")
+    bm.ensure_capacity(a, 10)
+    bm.commit(a, 10)                       # two full blocks are hashable, the third is partial
+    assert len(a.block_hashes) == 2
+    b = seq(list(range(10)) + [99], "b")
+    assert bm.match_prefix(b) == 8         # both full blocks shared
+    assert b.block_table == a.block_table[:2]
+    assert bm.blocks[a.block_table[0]].ref == 2
+    c = seq(range(8), "c")                 # exactly two blocks: the last token must stay uncached
+    assert bm.match_prefix(c) == 4
+    d = seq([0, 1, 2, 7, 4, 5, 6, 7, 8], "d")   # differs inside the first block
+    assert bm.match_prefix(d) == 0
+
+
+def test_cached_blocks_survive_free_and_are_evicted_lru_tail_first():
+    bm = BlockManager(4, 2)
+    a = seq([1, 2, 3, 4, 5, 6, 7], "a")
+    bm.ensure_capacity(a, 7)
+    bm.commit(a, 7)
+    bm.free_seq(a)
+    assert bm.num_used == 0 and bm.num_cached_free == 3 and bm.num_free == 4
+    # A new unrelated sequence takes the uncached block first, then the *tail* of a's prefix.
+    x = seq([9, 9, 9], "x")
+    bm.ensure_capacity(x, 3)
+    assert bm.num_cached_free == 2
+    again = seq([1, 2, 3, 4, 5, 6, 7], "again")
+    assert bm.match_prefix(again) == 4     # head blocks [1,2] and [3,4] survived; [5,6] was evicted
+
+
+def test_collision_guard_compares_tokens():
+    bm = BlockManager(4, 2)
+    a = seq([1, 2, 3], "a")
+    bm.ensure_capacity(a, 3)
+    bm.commit(a, 3)
+    block = bm.blocks[a.block_table[0]]
+    block.tokens = (7, 7)                  # simulate a hash collision with different tokens
+    assert bm.match_prefix(seq([1, 2, 3], "b")) == 0
+
+
+def test_prefix_cache_off_matches_nothing_and_clears_table():
+    bm = BlockManager(8, 2)
+    a = seq([1, 2, 3, 4, 5])
+    bm.ensure_capacity(a, 5)
+    bm.commit(a, 5)
+    bm.set_prefix_cache(False)
+    assert bm.table == {} and bm.match_prefix(seq([1, 2, 3, 4, 5], "b")) == 0
+
+
+def test_truncate_releases_tail_blocks():
+    bm = BlockManager(8, 4)
+    s = seq(range(14))
+    bm.ensure_capacity(s, 14)
+    bm.commit(s, 12)
+    bm.truncate(s, 9)
+    assert len(s.block_table) == 3 and len(s.block_hashes) == 2 and bm.num_used == 3
+
+
+def test_random_operations_never_leak():
+    rng = random.Random(0)
+    bm = BlockManager(32, 4)
+    live: list[Sequence] = []
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.4 or not live:
+            prefix = [rng.randrange(3)] * rng.randrange(0, 12)       # shared prefixes are common
+            s = seq(prefix + [rng.randrange(50) for _ in range(rng.randrange(1, 20))], f"s{step}")
+            s.num_computed_tokens = bm.match_prefix(s)
+            if bm.ensure_capacity(s, len(s.token_ids)):
+                s.num_computed_tokens = len(s.token_ids)
+                bm.commit(s, s.num_computed_tokens)
+                live.append(s)
+            else:
+                bm.free_seq(s)
+        elif op < 0.7:
+            s = rng.choice(live)
+            s.token_ids.append(rng.randrange(50))
+            if bm.ensure_capacity(s, len(s.token_ids)):
+                s.num_computed_tokens = len(s.token_ids)
+                bm.commit(s, s.num_computed_tokens)
+        else:
+            s = live.pop(rng.randrange(len(live)))
+            bm.free_seq(s)
+        refs = sum(b.ref for b in bm.blocks)
+        assert refs == sum(len(s.block_table) for s in live)
+        assert bm.num_used == len({b for s in live for b in s.block_table})
+        assert bm.num_cached_free == sum(1 for b in bm.blocks if b.ref == 0 and b.hash is not None)
+    for s in live:
+        bm.free_seq(s)
+    assert bm.num_used == 0 and bm.num_free == 32
+    assert all(b.ref == 0 for b in bm.blocks)
