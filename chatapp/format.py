@@ -1,0 +1,72 @@
+"""Number formatting shared by the panel and the per-message summary. None -> "n/a"."""
+from __future__ import annotations
+
+from typing import Any
+
+NA = "n/a"
+BARS = "▁▂▃▄▅▆▇█"
+
+
+def ms(v: float | None) -> str:
+    if v is None:
+        return NA
+    return f"{v:,.0f} ms" if v >= 10 else f"{v:.1f} ms"
+
+
+def rate(v: float | None, unit: str = "tok/s") -> str:
+    return NA if v is None else f"{v:,.1f} {unit}"
+
+
+def pct(v: float | None) -> str:
+    return NA if v is None else f"{v:.0f}%"
+
+
+def size(v: int | float | None) -> str:
+    if v is None:
+        return NA
+    for unit, scale in (("GB", 1024 ** 3), ("MB", 1024 ** 2), ("KB", 1024)):
+        if abs(v) >= scale:
+            return f"{v / scale:,.1f} {unit}"
+    return f"{v:,.0f} B"
+
+
+def count(v: int | None) -> str:
+    return NA if v is None else f"{v:,}"
+
+
+def summary(m: dict[str, Any] | None) -> str:
+    """One line per assistant message: TTFT · prompt (cached) · output @ rate · TPOT · spec."""
+    if not m:
+        return ""
+    parts = [f"TTFT {ms(m.get('ttft_ms'))}"]
+    prompt = f"{count(m.get('prompt_tokens'))} prompt tok"
+    if m.get("cached_prompt_tokens"):
+        prompt += f" ({count(m['cached_prompt_tokens'])} cached)"
+    parts.append(prompt)
+    parts.append(f"{count(m.get('output_tokens'))} tok @ {rate(m.get('decode_tok_s'))}")
+    parts.append(f"TPOT {ms(m.get('tpot_ms'))}")
+    if m.get("spec_method"):
+        drafted = m.get("spec_drafted") or 0
+        acc = f"{100 * (m.get('spec_accepted') or 0) / drafted:.0f}%" if drafted else NA
+        parts.append(f"spec {acc}")
+    if m.get("finish_reason") and m["finish_reason"] not in ("stop",):
+        parts.append(str(m["finish_reason"]))
+    return " · ".join(parts)
+
+
+def sparkline(values: list[float], width: int) -> str:
+    """Unicode bars for the last `width` values, scaled to their max; '' when there are none."""
+    vals = [v for v in values if v is not None][-width:]
+    if not vals:
+        return ""
+    top = max(vals) or 1.0
+    return "".join(BARS[min(len(BARS) - 1, int(v / top * (len(BARS) - 1) + 0.5))] for v in vals)
+
+
+def bar(fracs: list[float], width: int) -> list[int]:
+    """Split `width` cells among fractions (summing to <= 1); returns cell counts."""
+    cells = [int(round(f * width)) for f in fracs]
+    while sum(cells) > width:
+        i = cells.index(max(cells))
+        cells[i] -= 1
+    return cells

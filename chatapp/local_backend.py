@@ -1,0 +1,126 @@
+"""The in-process backend: pdchat.engine.Engine, imported lazily so the UI appears at once."""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import threading
+import time
+from typing import Any, Iterator
+
+from .backend import CAPABILITIES, Backend, Done, Generation, Phase, Settings, Token
+
+NEIGHBOUR_PROMPT = ("You are a background user. Write a long, detailed story about a lighthouse keeper "
+                    "who discovers a strange signal in the fog.")
+
+
+class LocalGeneration(Generation):
+    def __init__(self, stream):
+        self._stream = stream
+
+    def __iter__(self) -> Iterator:
+        from pdchat.engine import FinishEvent, ProgressEvent, TokenEvent
+        for ev in self._stream:
+            if isinstance(ev, TokenEvent):
+                yield Token(ev.text, ev.t, ev.index)
+            elif isinstance(ev, ProgressEvent):
+                yield Phase(ev.phase, ev.computed, ev.total, ev.cached, ev.t)
+            elif isinstance(ev, FinishEvent):
+                c = ev.completion
+                yield Done(c.text, c.finish_reason, c.metrics.to_dict(), c.error)
+
+    def cancel(self) -> None:
+        self._stream.cancel()
+
+
+class LocalBackend(Backend):
+    name = "local"
+
+    def __init__(self, model: str = "smollm2-135m", device: str = "auto", dtype: str = "auto",
+                 kv_cache: bool = True, prefix_cache: bool = True, chunk_size: int | None = 256,
+                 spec: str = "off", quant: str = "none", **extra: Any):
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.initial = {"kv_cache": kv_cache, "prefix_cache": prefix_cache, "chunk_size": chunk_size}
+        self.spec = spec
+        self.quant = quant
+        self.extra = extra
+        self.engine = None
+        self._neighbours: list[threading.Event] = []
+        self._fields: set[str] = set()
+
+    def load(self, progress) -> None:
+        from pdchat.engine import Engine, EngineConfig
+        self._fields = {f.name for f in dataclasses.fields(EngineConfig)}
+        kwargs: dict[str, Any] = dict(model=self.model, device=self.device, dtype=self.dtype, **self.initial)
+        if importlib.util.find_spec("pdchat.engine.telemetry") is None:
+            kwargs["telemetry"] = False          # device telemetry not built yet: values show n/a
+        for name, value, off in (("spec", self.spec, "off"), ("quant", self.quant, "none")):
+            if name in self._fields:
+                kwargs[name] = value
+            elif value != off:
+                progress(f"{name}={value} is unavailable in this engine; running without it")
+        self.engine = Engine(EngineConfig(**kwargs), say=progress)
+        progress(f"{self.model} ready on {self.engine.device}")
+
+    @property
+    def capabilities(self) -> dict[str, bool]:
+        caps = {c: False for c in CAPABILITIES}
+        caps.update(kv_cache=True, prefix_cache=True, chunked_prefill=True, neighbours=True,
+                    spec="spec" in self._fields, quant="quant" in self._fields)
+        return caps
+
+    def _engine(self):
+        if self.engine is None:
+            raise RuntimeError("the model is not loaded yet")
+        return self.engine
+
+    def stream(self, messages, settings: Settings) -> LocalGeneration:
+        from pdchat.engine import SamplingParams
+        params = SamplingParams(max_tokens=settings.max_tokens, temperature=settings.temperature,
+                                top_p=settings.top_p, top_k=settings.top_k, seed=settings.seed)
+        return LocalGeneration(self._engine().submit(messages, params, system=settings.system or None))
+
+    def stats(self) -> dict[str, Any]:
+        if self.engine is None:
+            return {}
+        return self.engine.stats().to_dict()
+
+    def update(self, **toggles: Any) -> None:
+        engine = self._engine()
+        if "neighbours" in toggles:
+            self._set_neighbours(int(toggles.pop("neighbours")))
+        for name in ("spec", "quant"):
+            if name in toggles and name not in self._fields:
+                value = toggles.pop(name)
+                if value not in ("off", "none"):
+                    raise RuntimeError(f"{name} is unavailable in this engine")
+        if toggles:
+            engine.update(**toggles)
+
+    # ---- synthetic background users ------------------------------------------------------
+    def _set_neighbours(self, n: int) -> None:
+        while len(self._neighbours) > n:
+            self._neighbours.pop().set()
+        while len(self._neighbours) < n:
+            stop = threading.Event()
+            self._neighbours.append(stop)
+            threading.Thread(target=self._neighbour, args=(stop, len(self._neighbours)), daemon=True,
+                             name="pdchat-neighbour").start()
+
+    def _neighbour(self, stop: threading.Event, i: int) -> None:
+        from pdchat.engine import SamplingParams
+        while not stop.is_set() and self.engine is not None:
+            try:
+                s = self.engine.submit(f"{NEIGHBOUR_PROMPT} (#{i})", SamplingParams(max_tokens=64, temperature=0.8))
+                for _ in s:
+                    if stop.is_set():
+                        s.cancel()
+            except Exception:
+                time.sleep(1.0)
+
+    def close(self) -> None:
+        self._set_neighbours(0)
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
