@@ -14,7 +14,8 @@ class EngineConfig:
     device: str = "auto"               # auto | cpu | cuda | cuda:N
     dtype: str = "auto"                # auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16
     block_size: int = 16
-    kv_cache_mb: int | None = None     # KV pool budget; None: 512 MB on CPU, a share of free memory on GPU
+    kv_cache_mb: float | None = None   # KV pool budget; None: 512 MB on CPU, a share of free memory on GPU
+    num_kv_blocks: int | None = None   # exact pool size in blocks (overrides kv_cache_mb; tests, demos)
     gpu_memory_fraction: float = 0.85  # of the memory free after loading, for the KV pool on GPU
     max_model_len: int | None = None   # None: the model's own context window
     max_num_seqs: int = 64             # max requests in one step (batch size)

@@ -121,8 +121,10 @@ class Engine:
     def _pool_blocks(self) -> int:
         cfg = self.config
         per_block = self.kv_bytes_per_token * cfg.block_size
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
         if cfg.kv_cache_mb is not None:
-            budget = cfg.kv_cache_mb * 2**20
+            budget = int(cfg.kv_cache_mb * 2**20)
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * cfg.gpu_memory_fraction)

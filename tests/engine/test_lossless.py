@@ -1,0 +1,76 @@
+"""Every optimization gives the same greedy tokens (CPU fp32): prefix cache, chunked prefill of
+any size, naive mode (no KV cache), and batching with other requests."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdchat.engine import Engine, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+def prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(1, 250) for _ in range(70)]          # a shared "system prompt"
+    return [shared + [rng.randrange(1, 250) for _ in range(n)] for n in (5, 40, 130)]
+
+
+def reference(preset: str, ps: list[list[int]]) -> list[list[int]]:
+    """One request at a time, no prefix cache, no chunking."""
+    with Engine(model=f"random:{preset}", telemetry=False, prefix_cache=False, chunk_size=None,
+                kv_cache_mb=8) as engine:
+        return [engine.submit(p, GREEDY).result().token_ids for p in ps]
+
+
+SETTINGS = {
+    "prefix cache": dict(prefix_cache=True, chunk_size=None),
+    "chunk 16": dict(prefix_cache=False, chunk_size=16),
+    "chunk 64 + prefix": dict(prefix_cache=True, chunk_size=64),
+    "chunk 256": dict(prefix_cache=False, chunk_size=256),
+    "naive (no KV cache)": dict(kv_cache=False, prefix_cache=False),
+}
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3"])
+def test_toggles_are_lossless(preset):
+    ps = prompts(0)
+    want = reference(preset, ps)
+    for name, setting in SETTINGS.items():
+        with Engine(model=f"random:{preset}", telemetry=False, kv_cache_mb=8, **setting) as engine:
+            got = [engine.submit(p, GREEDY).result().token_ids for p in ps]
+            again = [engine.submit(p, GREEDY).result().token_ids for p in ps]   # now with prefix hits
+            assert got == want, name
+            assert again == want, name
+            if setting.get("prefix_cache"):
+                assert engine.stats().prefix_hit_rate > 0.3, name
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2"])
+def test_batched_with_seven_random_neighbours_is_lossless(preset):
+    ps = prompts(1)
+    want = reference(preset, ps)
+    rng = random.Random(5)
+    with Engine(model=f"random:{preset}", telemetry=False, kv_cache_mb=8, chunk_size=64) as engine:
+        for target, expected in zip(ps, want):
+            neighbours = [[rng.randrange(1, 250) for _ in range(rng.randrange(1, 300))] for _ in range(7)]
+            params = [SamplingParams(max_tokens=rng.randrange(5, 60), temperature=0.8, seed=i, ignore_eos=True)
+                      for i in range(7)]
+            out = engine.generate(neighbours[:3] + [target] + neighbours[3:], params[:3] + [GREEDY] + params[3:])
+            assert out[3].token_ids == expected
+
+
+def test_default_model_toggles_are_lossless(default_engine):
+    question = "Summarize the plot of Romeo and Juliet in three sentences."
+    want = default_engine.submit(question, GREEDY).result().token_ids
+    for changes in (dict(chunk_size=16), dict(kv_cache=False), dict(chunk_size=256)):
+        default_engine.update(**changes)
+        try:
+            assert default_engine.submit(question, GREEDY).result().token_ids == want, changes
+        finally:
+            default_engine.update(chunk_size=256, kv_cache=True)
+    # a second turn hits the first turn's blocks
+    before = default_engine.blocks.hit_tokens
+    default_engine.submit(question, GREEDY).result()
+    assert default_engine.blocks.hit_tokens - before >= 16
