@@ -183,6 +183,7 @@ class ChatScreen(ChatActions, Screen):
         if conv and conv.title == "New chat":
             title = re.sub(r"\s+", " ", text).strip()
             self.store.rename(conv.id, title[:40] + ("…" if len(title) > 40 else ""))
+            self.sub_title = self.store.conversation(conv.id).title
         msg = self.store.add_message(self.conv_id, "user", text)
         self.query_one("#input", ChatInput).clear()
         await self.query_one("#messages").mount(MessageView("user", text, message_id=msg.id))

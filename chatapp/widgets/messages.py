@@ -9,10 +9,16 @@ from textual.widgets import Label, Markdown, Static
 
 from .. import format as fmt
 
+CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 CODE_BLOCK = re.compile(r"```[^\n]*\n(.*?)```", re.S)
 
 STATUS_LABEL = {"cancelled": "cancelled", "error": "error", "interrupted": "interrupted",
                 "streaming": "…", "done": ""}
+
+
+def clean(text: str) -> str:
+    """What the terminal may show: control characters (random models emit them) become \ufffd."""
+    return CONTROL.sub("\ufffd", text)
 
 
 def code_blocks(text: str) -> list[str]:
@@ -34,7 +40,7 @@ class MessageView(Vertical, can_focus=True):
 
     def compose(self) -> ComposeResult:
         yield Label(self._header(), classes="message-header")
-        yield Markdown(self.content, classes="message-body")
+        yield Markdown(clean(self.content), classes="message-body")
         yield Static(fmt.summary(self.metrics), classes="message-summary")
 
     def on_mount(self) -> None:
@@ -43,7 +49,7 @@ class MessageView(Vertical, can_focus=True):
     def _header(self) -> str:
         who = {"user": "You", "assistant": "Assistant", "system": "System"}.get(self.role, self.role)
         label = STATUS_LABEL.get(self.status, self.status)
-        return f"{who}  [{label}]" if label else who
+        return f"{who} · {label}" if label else who
 
     def _sync(self) -> None:
         self.query_one(".message-header", Label).update(self._header())
@@ -62,7 +68,7 @@ class MessageView(Vertical, can_focus=True):
         if fragment:
             self.content += fragment
             if self._stream is not None:
-                await self._stream.write(fragment)
+                await self._stream.write(clean(fragment))
 
     async def finish(self, text: str, status: str, metrics: dict | None) -> None:
         """End the stream, then one final full render of the whole text."""
@@ -70,9 +76,9 @@ class MessageView(Vertical, can_focus=True):
             await self._stream.stop()
             self._stream = None
         self.content, self.status, self.metrics = text, status, metrics
-        await self.query_one(".message-body", Markdown).update(text)
+        await self.query_one(".message-body", Markdown).update(clean(text))
         self._sync()
 
     async def set_content(self, text: str) -> None:
         self.content = text
-        await self.query_one(".message-body", Markdown).update(text)
+        await self.query_one(".message-body", Markdown).update(clean(text))

@@ -50,7 +50,7 @@ class TelemetryPanel(VerticalScroll):
         c = roles(self.app)
         w = max(10, self.size.width - 4) if self.size.width else WIDTH
         self.width_cells = w
-        self._put("phase", self._phase(live, c, w))
+        self._put("phase", self._phase(live, last, c, w))
         self._put("latency", self._latency(live, last, c, w))
         self._put("timeline", self._timeline(live, last, c, w))
         self._put("kv", self._kv(stats, c, w, conv_tokens))
@@ -59,10 +59,11 @@ class TelemetryPanel(VerticalScroll):
         self._put("device", self._device(stats, c, w))
 
     # ---- sections -------------------------------------------------------------------------------
-    def _phase(self, live: LiveSnapshot | None, c: dict, w: int) -> Text:
+    def _phase(self, live: LiveSnapshot | None, last: dict | None, c: dict, w: int) -> Text:
         t = Text()
         if live is None:
-            t.append("idle", style="dim")
+            reason = (last or {}).get("finish_reason")
+            t.append(f"✓ last reply: {reason}" if reason else "idle", style="dim")
             return t
         p = live.phase
         if p == "queued":

@@ -1,0 +1,264 @@
+"""Pilot tests with the scripted FakeBackend: every chat action, checked through UI and store."""
+from __future__ import annotations
+
+import pytest
+
+from pdchat.chatapp.fake_backend import FakeBackend
+from pdchat.chatapp.store import Store
+from pdchat.chatapp.widgets.messages import MessageView
+from pdchat.chatapp.widgets.telemetry import TelemetryPanel
+from pdchat.chatapp.widgets.toggles import TogglesBox
+
+from .helpers import idle, ready, send, wait_for
+
+pytestmark = pytest.mark.anyio
+
+SIZE = (160, 48)
+
+
+def views(app):
+    return [(v.role, v.status, v.content) for v in app.chat.query(MessageView)]
+
+
+def panel_text(app, section: str) -> str:
+    return str(app.chat.query_one(f"#tm-{section}").render())
+
+
+async def test_send_streams_reply_with_summary_and_saves_it(make_app):
+    app = make_app(FakeBackend(replies=["Hello **world**.\n\n```py\nx = 1\n```"]))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "hi there")
+        await idle(pilot)
+        assert views(app) == [("user", "done", "hi there"),
+                              ("assistant", "done", "Hello **world**.\n\n```py\nx = 1\n```")]
+        reply = list(app.chat.query(MessageView))[-1]
+        summary = str(reply.query_one(".message-summary").render())
+        # fake clock: 20 prompt tokens at 0.5 ms + 2 ms queue; 32 ms per token after the first
+        assert summary == "TTFT 12 ms · 20 prompt tok · 7 tok @ 31.2 tok/s · TPOT 32 ms"
+        assert app.chat.query_one("#input").text == ""
+        msgs = app.store.messages(app.chat.conv_id)
+        assert [m.role for m in msgs] == ["user", "assistant"]
+        assert msgs[1].metrics["output_tokens"] == 7 and msgs[1].status == "done"
+        assert app.store.conversation(app.chat.conv_id).title == "hi there"
+        await pilot.pause(0.3)
+        assert "31.2 tok/s" in panel_text(app, "latency")
+
+
+async def test_ctrl_j_inserts_newline_instead_of_sending(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        box = app.chat.query_one("#input")
+        box.focus()
+        await pilot.press("a", "ctrl+j", "b")
+        assert box.text == "a\nb"
+        assert app.backend.requests == []
+
+
+async def test_cancel_keeps_partial_reply_marked_cancelled(make_app):
+    backend = FakeBackend(hold="decode:3", replies=["one two three four five six"])
+    app = make_app(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "count")
+        await wait_for(pilot, backend.held.is_set)
+        await pilot.pause(0.2)
+        assert "DECODE" in panel_text(app, "phase")
+        await pilot.press("escape")
+        await idle(pilot)
+        assert views(app)[-1] == ("assistant", "cancelled", "one two three")
+        msg = app.store.messages(app.chat.conv_id)[-1]
+        assert (msg.status, msg.content, msg.metrics["finish_reason"]) == ("cancelled", "one two three", "cancelled")
+        header = str(list(app.chat.query(MessageView))[-1].query_one(".message-header").render())
+        assert "cancelled" in header
+
+
+async def test_regenerate_replaces_last_reply(make_app):
+    backend = FakeBackend(replies=["first answer", "second answer"])
+    app = make_app(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "question")
+        await idle(pilot)
+        await pilot.press("ctrl+r")
+        await idle(pilot)
+        assert views(app) == [("user", "done", "question"), ("assistant", "done", "second answer")]
+        assert [m.content for m in app.store.messages(app.chat.conv_id)] == ["question", "second answer"]
+        assert backend.requests[1][0] == [{"role": "user", "content": "question"}]
+
+
+async def test_edit_last_message_and_resend(make_app):
+    backend = FakeBackend(replies=["a1", "a2", "a3"])
+    app = make_app(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "first")
+        await idle(pilot)
+        await send(pilot, "secnod")
+        await idle(pilot)
+        await pilot.press("ctrl+e")
+        box = app.chat.query_one("#input")
+        assert box.text == "secnod"
+        box.text = "second"
+        await pilot.press("enter")
+        await idle(pilot)
+        assert [c for _, _, c in views(app)] == ["first", "a1", "second", "a3"]
+        assert backend.requests[-1][0] == [{"role": "user", "content": "first"},
+                                           {"role": "assistant", "content": "a1"},
+                                           {"role": "user", "content": "second"}]
+
+
+async def test_copy_message_and_code_block(make_app):
+    reply = "Use this:\n\n```python\nprint(1)\n```\n\nand this:\n\n```sh\nls -la\n```"
+    app = make_app(FakeBackend(replies=[reply]))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "code please")
+        await idle(pilot)
+        await pilot.press("ctrl+y")
+        await pilot.press("ctrl+o")
+        assert app.clipboard_calls == [reply, "ls -la"]
+        list(app.chat.query(MessageView))[0].focus()      # the user's message
+        await pilot.press("ctrl+y")
+        assert app.clipboard_calls[-1] == "code please"
+
+
+async def test_export_writes_markdown(make_app, tmp_path):
+    app = make_app(FakeBackend(replies=["The answer is **42**."]))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "What is the answer?")
+        await idle(pilot)
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        path = app.chat.last_export
+        assert path.parent == tmp_path / "exports"
+        text = path.read_text()
+        assert text.startswith("# What is the answer?\n")
+        assert "## You\n\nWhat is the answer?\n" in text
+        assert "## Assistant\n\nThe answer is **42**.\n" in text
+        assert "*TTFT " in text and "4 tok @ 31.2 tok/s" in text
+
+
+async def test_toggles_call_backend_update(make_app):
+    backend = FakeBackend()
+    app = make_app(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("ctrl+t")
+        await pilot.pause()
+        assert app.chat.query_one(TogglesBox).display
+        await pilot.click("#tg-prefix_cache")
+        await pilot.click("#tg-kv_cache")
+        await pilot.click("#tg-chunked")
+        await pilot.pause()
+        assert backend.updates == [{"prefix_cache": False}, {"kv_cache": False}, {"chunk_size": None}]
+        assert app.store.get_setting("toggles")["prefix_cache"] is False
+        # the next reply feels it: KV cache off makes each fake token 4x slower
+        await send(pilot, "hello")
+        await idle(pilot)
+        assert app.store.messages(app.chat.conv_id)[-1].metrics["tpot_ms"] == pytest.approx(128.0)
+        await pilot.click("#tg-chunked")
+        await pilot.pause()
+        assert backend.updates[-1] == {"chunk_size": 256}
+
+
+async def test_unavailable_feature_is_shown_and_refused(make_app):
+    backend = FakeBackend(capabilities={"spec": False, "quant": False})
+    app = make_app(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.pause(0.3)
+        assert "unavailable" in panel_text(app, "spec")
+        assert app.chat.query_one("#tg-spec").disabled
+        assert not await app.apply_toggles({"spec": "ngram"})
+        assert backend.updates == [] and app.toggles.spec == "off"
+
+
+async def test_switching_conversations(make_app):
+    backend = FakeBackend(replies=["reply A", "reply B"])
+    app = make_app(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "chat A")
+        await idle(pilot)
+        first = app.chat.conv_id
+        await pilot.press("ctrl+n")
+        await pilot.pause()
+        assert views(app) == []
+        await send(pilot, "chat B")
+        await idle(pilot)
+        assert [c for _, _, c in views(app)] == ["chat B", "reply B"]
+        await app.chat.open_conversation(first)
+        await pilot.pause()
+        assert [c for _, _, c in views(app)] == ["chat A", "reply A"]
+        titles = [c.title for c in app.store.conversations()]
+        assert sorted(titles) == ["chat A", "chat B"]
+        app.chat.query_one("#search").value = "chat B"
+        await pilot.pause()
+        assert len(app.chat.query(".conv-item")) == 1
+
+
+async def test_engine_error_becomes_notification(make_app):
+    app = make_app(FakeBackend(load_error="no such model: nope"))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.load_error is not None)
+        assert not app.ready
+        assert any("no such model" in n.message for n in app._notifications)
+        await send(pilot, "hello?")
+        await pilot.pause()
+        assert app.chat.query_one("#input").text == "hello?"     # kept for later
+        assert app.is_running
+
+
+async def test_restart_restores_history_and_settings(make_app, tmp_path):
+    db = tmp_path / "data" / "pdchat.db"
+    app = make_app(FakeBackend(replies=["remembered"]), store=Store(db))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "remember me")
+        await idle(pilot)
+        await app.apply_toggles({"prefix_cache": False})
+        app.theme = "pdchat-light"
+        await pilot.pause()
+    app.store.close()
+    app2 = make_app(FakeBackend(), store=Store(db))
+    async with app2.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await wait_for(pilot, lambda: len(views(app2)) == 2)
+        assert [c for _, _, c in views(app2)] == ["remember me", "remembered"]
+        assert app2.toggles.prefix_cache is False and app2.theme == "pdchat-light"
+        summary = str(list(app2.chat.query(MessageView))[-1].query_one(".message-summary").render())
+        assert summary.startswith("TTFT ")
+
+
+async def test_corrupt_database_is_moved_aside_with_notice(make_app, tmp_path):
+    db = tmp_path / "data" / "pdchat.db"
+    db.parent.mkdir(parents=True)
+    db.write_bytes(b"this is not a database" * 100)
+    app = make_app(FakeBackend(), store=Store(db))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        assert any("moved to pdchat.db.corrupt-" in n.message for n in app._notifications)
+        await send(pilot, "fresh start")
+        await idle(pilot)
+    aside = list(db.parent.glob("pdchat.db.corrupt-*"))
+    assert len(aside) == 1 and aside[0].read_bytes().startswith(b"this is not a database")
+
+
+async def test_gpu_device_panel(make_app):
+    app = make_app(FakeBackend(gpu=True))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.pause(0.3)
+        text = panel_text(app, "device")
+        assert "NVIDIA H100 80GB HBM3" in text and "GPU util     87%" in text
+        assert "12.5 GB / 80.0 GB" in text and "312 W" in text
+        app2_text = None
+    app2 = make_app(FakeBackend(gpu=False))
+    async with app2.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.pause(0.3)
+        app2_text = panel_text(app2, "device")
+        assert "CPU util     38%" in app2_text and "812.0 MB" in app2_text and "GPU" not in app2_text
