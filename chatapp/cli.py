@@ -24,10 +24,12 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _chunk(text: str) -> int | None:
-    """--chunk-size N, or 0/off for no chunking."""
+def _chunk(text: str) -> int | None | str:
+    """--chunk-size N, auto (the device's default), or 0/off for no chunking."""
     if text.lower() in ("0", "off", "none"):
         return None
+    if text.lower() == "auto":
+        return "auto"
     return _positive_int(text)
 
 
@@ -48,7 +50,7 @@ def _shared_flags() -> argparse.ArgumentParser:
     o = p.add_argument_group("optimizations")
     o.add_argument("--no-kv-cache", action="store_true", help="naive mode: recompute everything each token")
     o.add_argument("--no-prefix-cache", action="store_true", help="do not reuse cached prompt prefixes")
-    o.add_argument("--chunk-size", type=_chunk, default=256, help="prefill tokens per step; 0 = no chunking")
+    o.add_argument("--chunk-size", type=_chunk, default="auto", help="prefill tokens per step: auto (default), N, or 0 = no chunking")
     o.add_argument("--kv-cache-mb", type=_positive_int, default=None, help="KV pool size in MB")
     o.add_argument("--max-batch", type=_positive_int, default=64, help="most requests per step")
     o.add_argument("--spec", choices=["off", "ngram", "draft"], default="off", help="speculative decoding")
@@ -185,10 +187,18 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from pdchat.chatapp.bench_report import progress_bar, render
     from pdchat.engine.bench import run_suite
-    result = run_suite(args.suite, engine_config(args), quick=args.quick, progress=not args.json)
+    console = Console(stderr=args.json)         # with --json, stdout carries the JSON alone
+    bar, update = progress_bar(console)
+    with bar:
+        result = run_suite(args.suite, engine_config(args), quick=args.quick, progress=update)
     if args.json:
         print(json.dumps(result, indent=2))
+    else:
+        render(result, console)
     return 0
 
 

@@ -19,7 +19,9 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.85  # of the memory free after loading, for the KV pool on GPU
     max_model_len: int | None = None   # None: the model's own context window
     max_num_seqs: int = 64             # max requests in one step (batch size)
-    chunk_size: int | None = 256       # per-step token budget for prefill chunks; None: no chunking
+    # Per-step token budget for prefill chunks; None: no chunking; "auto": the device's default
+    # (picked from `pdchat bench toggles`, see README).
+    chunk_size: int | None | str = "auto"
     prefix_cache: bool = True
     kv_cache: bool = True              # False = naive mode: recompute the whole sequence each step
     attention_backend: str = "auto"    # auto | torch | triton
@@ -30,7 +32,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise InvalidRequest(f"block size must be a power of two, got {self.block_size}")
-        if self.chunk_size is not None and self.chunk_size <= 0:
+        if self.chunk_size is not None and self.chunk_size != "auto" and self.chunk_size <= 0:
             raise InvalidRequest(f"chunk size must be positive, got {self.chunk_size}")
         if self.max_num_seqs <= 0:
             raise InvalidRequest(f"max batch size must be positive, got {self.max_num_seqs}")

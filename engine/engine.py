@@ -33,6 +33,10 @@ from .stream import Completion, FinishEvent, ProgressEvent, RequestStream, Token
 Prompt = str | list[dict[str, str]] | list[int]
 
 CPU_KV_MB = 512
+# Default prefill chunk sizes, from `pdchat bench toggles` (README): on CPU a step's time grows
+# with its tokens almost linearly, so small chunks keep running streams smooth.
+CPU_CHUNK = 64
+GPU_CHUNK = 512
 
 
 def _stderr(msg: str) -> None:
@@ -78,8 +82,9 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, *, say: Callable[[str], None] = _stderr,
                  **overrides: Any):
         cfg = replace(config or EngineConfig(), **overrides)
-        self.config = cfg
         self.device = pick_device(cfg.device)
+        cfg = replace(cfg, chunk_size=self._chunk(cfg.chunk_size))
+        self.config = cfg
         self.dtype = pick_dtype(cfg.dtype, self.device)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -118,6 +123,11 @@ class Engine:
         self._thread.start()
 
     # ---- sizing ---------------------------------------------------------------------------
+    def _chunk(self, chunk_size: int | None | str) -> int | None:
+        if chunk_size == "auto":
+            return GPU_CHUNK if self.device.type == "cuda" else CPU_CHUNK
+        return chunk_size
+
     def _pool_blocks(self) -> int:
         cfg = self.config
         per_block = self.kv_bytes_per_token * cfg.block_size
@@ -227,6 +237,8 @@ class Engine:
             unknown = set(changes) - {"prefix_cache", "kv_cache", "chunk_size", "max_num_seqs"}
             if unknown:
                 raise InvalidRequest(f"unknown engine setting(s): {', '.join(sorted(unknown))}")
+            if "chunk_size" in changes:
+                changes["chunk_size"] = self._chunk(changes["chunk_size"])
             self.config = replace(self.config, **changes)     # validates
             if "prefix_cache" in changes:
                 self.blocks.set_prefix_cache(changes["prefix_cache"] and self.config.kv_cache)

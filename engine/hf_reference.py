@@ -1,32 +1,42 @@
-"""Helpers to run Hugging Face transformers on exactly the weights an Engine loaded."""
+"""Hugging Face transformers on exactly the weights an Engine loaded: the baseline of
+`pdchat bench baseline` and the oracle of the parity tests."""
 from __future__ import annotations
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
-from pdchat.engine.loader import load_hf_state_dict
+from .loader import load_hf_state_dict
 
 
-def hf_model_for(engine) -> torch.nn.Module:
-    """A transformers model with the engine's weights (fp32, CPU, eager attention off: sdpa)."""
+def hf_model_for(engine, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     files = engine.files
     if files.random_preset is None:
-        return AutoModelForCausalLM.from_pretrained(str(files.path), dtype=torch.float32).eval()
+        return AutoModelForCausalLM.from_pretrained(str(files.path), dtype=dtype).to(device).eval()
     cfg = AutoConfig.for_model(**dict(engine.loaded.hf_config))
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)   # tiny: init cost is nil
-    state = load_hf_state_dict(files, torch.device("cpu"), torch.float32, seed=engine.config.seed)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    state = load_hf_state_dict(files, torch.device(device), dtype, seed=engine.config.seed)
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and not missing, (missing, unexpected)
-    return model.eval()
+    # assign=True adopts our tensors (no copy, no init); buffers that are not weights (RoPE
+    # frequencies) are then rebuilt by a real construction of the rotary module on the device.
+    model.load_state_dict(state, strict=True, assign=True)
+    for name, module in list(model.named_modules()):
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            with torch.device(device):
+                setattr(parent, name.rsplit(".", 1)[-1], type(module)(config=cfg))
+    return model.to(device).eval()
 
 
 @torch.inference_mode()
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt_ids])
-    # Never stop early (like our ignore_eos): an EOS id no token can have. Clearing the EOS does not
-    # work (transformers falls back to the model config), and min_new_tokens *suppresses* EOS.
+def hf_generate(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy `generate`, never stopping early (like our ignore_eos)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt_ids], device=device)
+    # An EOS id no token can have: clearing the EOS does not work (transformers falls back to the
+    # model config), and min_new_tokens would *suppress* EOS and change the tokens.
     never = model.config.vocab_size + 1
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          do_sample=False, eos_token_id=[never], pad_token_id=0)
@@ -35,4 +45,5 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
 
 @torch.inference_mode()
 def hf_last_logits(model, ids: list[int]) -> torch.Tensor:
-    return model(torch.tensor([ids])).logits[0, -1].float()
+    device = next(model.parameters()).device
+    return model(torch.tensor([ids], device=device)).logits[0, -1].float()

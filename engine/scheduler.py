@@ -2,7 +2,7 @@
 
 Each step: running sequences first (decodes before unfinished prefills, so a stream never
 stalls behind a long prompt), then waiting requests FCFS while the budget, the batch size and
-the KV pool allow. Everything planned runs in ONE forward (a mixed batch). When the pool runs
+the KV pool allow. The token budget (chunk size) applies while some request is decoding. Everything planned runs in ONE forward (a mixed batch). When the pool runs
 out, the latest-admitted running sequence is preempted by recompute: its blocks are released
 (their cached prefix usually survives) and it goes back to the head of the queue.
 """
@@ -70,7 +70,10 @@ class Scheduler:
         self.blocks.free_seq(seq)
 
     def schedule(self) -> StepPlan:
-        budget = self.chunk_size if (self.chunk_size and self.kv_cache) else None
+        # The budget exists to keep running streams smooth: with no decode to protect, a prompt
+        # goes in one piece (on CPU every extra step re-reads all the weights).
+        decoding = any(s.t_first_token is not None for s in self.running)
+        budget = self.chunk_size if (self.chunk_size and self.kv_cache and decoding) else None
         plan: list[ScheduledSeq] = []
         failed: list[Sequence] = []
         preempted = False

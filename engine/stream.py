@@ -55,9 +55,17 @@ class RequestStream:
         self._cancel = cancel
         self._events: queue.Queue[Event] = queue.Queue()
         self._completion: Completion | None = None
+        self._done = False
 
     def put(self, event: Event) -> None:
+        if isinstance(event, FinishEvent):
+            self._done = True
         self._events.put(event)
+
+    @property
+    def done(self) -> bool:
+        """True once the request has finished (its FinishEvent may still be unread)."""
+        return self._done
 
     def __iter__(self) -> Iterator[Event]:
         while self._completion is None:

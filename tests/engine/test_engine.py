@@ -78,7 +78,10 @@ def test_cancel_mid_decode_frees_blocks(tiny_engine):
 
 
 def test_cancel_while_queued_and_mid_prefill():
-    with Engine(model="random:tiny", telemetry=False, max_num_seqs=1, chunk_size=16, kv_cache_mb=4) as engine:
+    with Engine(model="random:tiny", telemetry=False, max_num_seqs=2, chunk_size=16, kv_cache_mb=4) as engine:
+        # A decoding neighbour makes the chunk budget apply, and fills one of the two batch slots.
+        background = engine.submit([1, 2], SamplingParams(max_tokens=10**6, temperature=0, ignore_eos=True))
+        next(e for e in background if isinstance(e, TokenEvent))
         long = engine.submit(list(range(1, 400)), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
         queued = engine.submit("later", GREEDY)
         queued.cancel()
@@ -87,6 +90,7 @@ def test_cancel_while_queued_and_mid_prefill():
                 long.cancel()
         assert long.result().finish_reason == "cancelled" and long.result().token_ids == []
         assert queued.result().finish_reason == "cancelled" and queued.result().token_ids == []
+        background.cancel()
         wait_idle(engine)
         assert engine.stats().kv_blocks_used == 0
 

@@ -7,7 +7,7 @@ import torch
 
 from pdchat.engine import Engine, SamplingParams
 
-from .hf_reference import hf_greedy, hf_last_logits, hf_model_for
+from pdchat.engine.hf_reference import hf_generate, hf_last_logits, hf_model_for
 
 FAMILIES = ["tiny", "tiny-llama3", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"]
 PROMPTS = ["The quick brown fox jumps over the lazy dog", "Once upon a time, in a land far away,",
@@ -23,7 +23,7 @@ def test_random_family_matches_transformers(preset):
         ours = [c.token_ids for c in engine.generate(prompts, greedy)]
         assert len({t for out in ours for t in out}) >= 8, "degenerate random model: the test would prove little"
         for ids, got in zip(prompts, ours):
-            want = hf_greedy(hf, ids, 48)
+            want = hf_generate(hf, ids, 48)
             assert got == want
             full = ids + want
             diff = (engine.prompt_logits(full)[-1] - hf_last_logits(hf, full)).abs().max().item()
@@ -44,7 +44,7 @@ def test_default_model_matches_transformers(default_engine):
     prompts = [default_engine.encode(p) for p in DEFAULT_PROMPTS]
     ours = [c.token_ids for c in default_engine.generate(prompts, greedy)]
     for ids, got in zip(prompts, ours):
-        assert got == hf_greedy(hf, ids, 64)
+        assert got == hf_generate(hf, ids, 64)
     full = prompts[0] + ours[0]
     diff = (default_engine.prompt_logits(full)[-1] - hf_last_logits(hf, full)).abs().max().item()
     assert diff < 1e-4

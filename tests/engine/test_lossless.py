@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from pdchat.engine import Engine, SamplingParams
+from pdchat.engine import Engine, ProgressEvent, SamplingParams, TokenEvent
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
@@ -14,7 +14,7 @@ GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 def prompts(seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     shared = [rng.randrange(1, 250) for _ in range(70)]          # a shared "system prompt"
-    return [shared + [rng.randrange(1, 250) for _ in range(n)] for n in (5, 40, 130)]
+    return [shared + [rng.randrange(1, 250) for _ in range(n)] for n in (5, 40, 150)]
 
 
 def reference(preset: str, ps: list[list[int]]) -> list[list[int]]:
@@ -33,16 +33,34 @@ SETTINGS = {
 }
 
 
+def run_beside_a_stream(engine: Engine, ps: list[list[int]]) -> tuple[list[list[int]], int]:
+    """Run prompts one by one while another request decodes (so the chunk budget applies).
+    Returns the tokens and the most prefill steps any prompt took."""
+    background = engine.submit([5, 6, 7], SamplingParams(max_tokens=10**6, temperature=0, ignore_eos=True))
+    for event in background:
+        if isinstance(event, TokenEvent):
+            break
+    outs, most_steps = [], 0
+    for p in ps:
+        events = list(engine.submit(p, GREEDY))
+        outs.append(events[-1].completion.token_ids)
+        most_steps = max(most_steps, sum(isinstance(e, ProgressEvent) and e.phase == "prefill" for e in events))
+    background.cancel()
+    return outs, most_steps
+
+
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3"])
 def test_toggles_are_lossless(preset):
     ps = prompts(0)
     want = reference(preset, ps)
     for name, setting in SETTINGS.items():
         with Engine(model=f"random:{preset}", telemetry=False, kv_cache_mb=8, **setting) as engine:
-            got = [engine.submit(p, GREEDY).result().token_ids for p in ps]
+            got, steps = run_beside_a_stream(engine, ps)
             again = [engine.submit(p, GREEDY).result().token_ids for p in ps]   # now with prefix hits
             assert got == want, name
             assert again == want, name
+            if setting.get("chunk_size") == 16:
+                assert steps >= 200 // 16, "the long prompt should have been prefilled in chunks"
             if setting.get("prefix_cache"):
                 assert engine.stats().prefix_hit_rate > 0.3, name
 
@@ -64,12 +82,13 @@ def test_batched_with_seven_random_neighbours_is_lossless(preset):
 def test_default_model_toggles_are_lossless(default_engine):
     question = "Summarize the plot of Romeo and Juliet in three sentences."
     want = default_engine.submit(question, GREEDY).result().token_ids
-    for changes in (dict(chunk_size=16), dict(kv_cache=False), dict(chunk_size=256)):
+    original = default_engine.config
+    for changes in (dict(chunk_size=16), dict(kv_cache=False), dict(chunk_size=None)):
         default_engine.update(**changes)
         try:
             assert default_engine.submit(question, GREEDY).result().token_ids == want, changes
         finally:
-            default_engine.update(chunk_size=256, kv_cache=True)
+            default_engine.update(chunk_size=original.chunk_size, kv_cache=original.kv_cache)
     # a second turn hits the first turn's blocks
     before = default_engine.blocks.hit_tokens
     default_engine.submit(question, GREEDY).result()

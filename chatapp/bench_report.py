@@ -1,0 +1,53 @@
+"""Renders `pdchat bench` results for people: a progress bar while it runs, then tables."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+
+def progress_bar(console: Console) -> tuple[Progress, Callable[[str, float], None]]:
+    bar = Progress(TextColumn("[bold]{task.description:<22}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                   TimeElapsedColumn(), console=console, transient=True)
+    task = bar.add_task("starting", total=1.0)
+
+    def update(what: str, fraction: float) -> None:
+        bar.update(task, description=what, completed=fraction)
+
+    return bar, update
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if isinstance(value, float):
+        return f"{value:,.3f}" if abs(value) < 10 else f"{value:,.1f}"
+    return str(value)
+
+
+def render(result: dict[str, Any], console: Console) -> None:
+    m = result.get("machine", {})
+    console.print(f"[bold]pdchat bench {result['suite']}[/] · {result.get('model')} on {result.get('device')} · "
+                  f"{m.get('cpu') or ''} {m.get('gpu') or ''} · {m.get('date')}")
+    for section, data in result.items():
+        if section in ("suite", "machine", "model", "device", "inputs") or not isinstance(data, dict):
+            continue
+        rows = data.get("rows")
+        table = Table(title=section.replace("_", " "), title_justify="left", show_header=bool(rows))
+        if rows:
+            for key in rows[0]:
+                table.add_column(key.replace("_", " "))
+            for row in rows:
+                table.add_row(*(_fmt(v) for v in row.values()))
+            console.print(table)
+            table = Table(show_header=False)
+        table.add_column("measure")
+        table.add_column("value", justify="right")
+        for key, value in data.items():
+            if key != "rows":
+                table.add_row(key.replace("_", " "), _fmt(value))
+        console.print(table)

@@ -1,0 +1,70 @@
+"""`pdchat bench baseline`: pdchat vs Hugging Face `generate()` on the same weights, device, dtype
+and prompts, interleaved in one run (so machine noise hits both alike)."""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from .bench import Progress, filler_text, median, ratio
+from .config import EngineConfig, SamplingParams
+from .engine import Engine
+from .hf_reference import hf_generate, hf_model_for
+
+
+def _timed(fn, *args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, Any]:
+    decode_tokens, prefill_len, repeats = (16, 128, 1) if quick else (128, 1024, 3)
+    # No prefix cache: every repeat must really prefill.
+    engine = Engine(replace(config, telemetry=False, prefix_cache=False), say=lambda m: None)
+    try:
+        progress("loading transformers", 0.0)
+        hf = hf_model_for(engine, dtype=engine.dtype, device=engine.device)
+        short = engine.encode("Tell me a long story about a lighthouse keeper.")
+        long = engine.encode(filler_text(prefill_len))[:prefill_len]
+        greedy = SamplingParams(max_tokens=decode_tokens + 1, temperature=0, ignore_eos=True)
+        one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        engine.submit(short, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)).result()   # warm-up
+        hf_generate(hf, short, 4)
+        ours_decode, hf_decode, ours_prefill, hf_prefill, ours_ttft, hf_ttft = [], [], [], [], [], []
+        for r in range(repeats):
+            progress(f"round {r + 1}/{repeats}", r / repeats)
+            ours_decode.append(engine.submit(short, greedy).result().metrics.decode_tok_s)
+            t1 = _timed(hf_generate, hf, short, 1)
+            tn = _timed(hf_generate, hf, short, decode_tokens + 1)
+            hf_decode.append(decode_tokens / (tn - t1))
+            m = engine.submit(long, one).result().metrics
+            ours_ttft.append(m.ttft_ms)
+            ours_prefill.append(len(long) / (m.ttft_ms / 1000))
+            t = _timed(hf_generate, hf, long, 1)
+            hf_ttft.append(t * 1000)
+            hf_prefill.append(len(long) / t)
+        progress("done", 1.0)
+        od, hd = median(ours_decode), median(hf_decode)
+        op, hp = median(ours_prefill), median(hf_prefill)
+        weight_bytes = engine.loaded.model.weight_bytes()
+        return {
+            "model": config.model, "device": str(engine.device),
+            "inputs": {"dtype": str(engine.dtype).removeprefix("torch."), "decode_tokens": decode_tokens,
+                       "short_prompt_tokens": len(short), "prefill_tokens": len(long), "repeats": repeats,
+                       "batch": 1},
+            "decode": {"pdchat_tok_s": od, "hf_tok_s": hd, "ratio": ratio(od, hd),
+                       "pdchat_tpot_ms": 1000 / od, "hf_tpot_ms": 1000 / hd,
+                       # every decode step reads all weights once: bytes x steps/s
+                       "pdchat_weight_gb_s": weight_bytes * od / 1e9, "goal": ">= 1.0x (fp32)",
+                       "met": ratio(od, hd) >= 1.0},
+            "prefill": {"pdchat_tok_s": op, "hf_tok_s": hp, "ratio": ratio(op, hp),
+                        "pdchat_ttft_ms": median(ours_ttft), "hf_ttft_ms": median(hf_ttft),
+                        "goal": ">= 1.0x", "met": ratio(op, hp) >= 1.0},
+        }
+    finally:
+        engine.close()
