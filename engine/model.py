@@ -28,7 +28,7 @@ class RMSNorm(nn.Module):
         # Normalise in fp32 whatever the weights' dtype, as the reference implementation does.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * (xf if x.dtype == torch.float32 else xf.to(x.dtype))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -36,11 +36,8 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
           scale: float, causal: bool = False) -> torch.Tensor:
     """q: [B, H, n, D], k/v: [B, KVH, c, D] -> [B, H, n, D], grouped-query heads shared."""
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
