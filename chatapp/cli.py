@@ -85,13 +85,11 @@ def engine_config(args: argparse.Namespace) -> Any:
     from pdchat.engine.errors import InvalidRequest
     if args.spec != "off":
         raise InvalidRequest(f"speculative decoding (--spec {args.spec}) is not available in this build yet")
-    if args.quant != "none":
-        raise InvalidRequest(f"weight quantization (--quant {args.quant}) is not available in this build yet")
     from pdchat.engine import DEFAULT_MODEL
     return EngineConfig(model=args.model or DEFAULT_MODEL, device=args.device, dtype=args.dtype,
                         threads=args.threads, kv_cache=not args.no_kv_cache,
                         prefix_cache=not args.no_prefix_cache, chunk_size=args.chunk_size,
-                        kv_cache_mb=args.kv_cache_mb, max_num_seqs=args.max_batch)
+                        kv_cache_mb=args.kv_cache_mb, max_num_seqs=args.max_batch, quant=args.quant)
 
 
 def sampling_params(args: argparse.Namespace) -> Any:
@@ -137,6 +135,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args)
     params = sampling_params(args)
     with Engine(engine_config(args), telemetry=False) as engine:
+        for notice in engine.notices:
+            print(f"pdchat: note: {notice}", file=sys.stderr)
         stream = engine.submit(prompt, params, system=args.system)
         completion = None
         try:

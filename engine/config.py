@@ -24,6 +24,7 @@ class EngineConfig:
     chunk_size: int | None | str = "auto"
     prefix_cache: bool = True
     kv_cache: bool = True              # False = naive mode: recompute the whole sequence each step
+    quant: str = "none"                # none | int8 (weight-only, per-channel)
     attention_backend: str = "auto"    # auto | torch | triton
     threads: int | None = None         # torch intra-op threads on CPU; None: leave torch's default
     seed: int = 0                      # for random: models
@@ -34,6 +35,8 @@ class EngineConfig:
             raise InvalidRequest(f"block size must be a power of two, got {self.block_size}")
         if self.chunk_size is not None and self.chunk_size != "auto" and self.chunk_size <= 0:
             raise InvalidRequest(f"chunk size must be positive, got {self.chunk_size}")
+        if self.quant not in ("none", "int8"):
+            raise InvalidRequest(f"unknown quantization {self.quant!r} (none, int8)")
         if self.max_num_seqs <= 0:
             raise InvalidRequest(f"max batch size must be positive, got {self.max_num_seqs}")
 

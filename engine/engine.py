@@ -13,10 +13,12 @@ import threading
 import time
 import traceback
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
 
+from . import quant
 from .block_manager import BlockManager
 from .config import EngineConfig, SamplingParams
 from .detokenizer import IncrementalDetokenizer
@@ -25,6 +27,7 @@ from .loader import load, pick_device, pick_dtype
 from .metrics import EngineStats, RequestMetrics
 from .model_runner import ModelRunner
 from .model_source import resolve
+from .paths import cache_dir, models_dir
 from .sampler import sample
 from .scheduler import ScheduledSeq, Scheduler, StepPlan
 from .sequence import Sequence, Status
@@ -105,6 +108,8 @@ class Engine:
             backend = "triton" if self.device.type == "cuda" else "torch"
         self.runner = ModelRunner(self.loaded.model, mc, self.device, self.dtype, num_blocks,
                                   cfg.block_size, backend)
+        self.notices: list[str] = []             # things a UI should tell the user once
+        self._set_quant(cfg.quant)
         self.monitor = None
         if cfg.telemetry:
             from .telemetry import DeviceMonitor
@@ -146,6 +151,32 @@ class Engine:
             raise KVCacheTooSmall(f"a KV budget of {budget / 2**20:.1f} MB holds no block of "
                                   f"{per_block / 2**20:.2f} MB")
         return int(blocks)
+
+    # ---- quantization ---------------------------------------------------------------------
+    def _quant_cache(self) -> Path | None:
+        files = self.files
+        if files.path is None:
+            return None                           # random weights: cheap to regenerate
+        if files.path.parent == models_dir():     # our own converted folder
+            return files.path / "int8.safetensors"
+        folder = cache_dir() / "quant"
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder / (files.name.replace("/", "--").replace(":", "-") + ".int8.safetensors")
+
+    def _set_quant(self, mode: str) -> None:
+        switch, model = self.loaded.quant, self.loaded.model
+        if mode == "int8" and not quant.int8_supported(self.device):
+            self.notices.append(f"int8 weights are not supported on {self.device} by this torch build; "
+                                f"running {str(self.dtype).removeprefix('torch.')}")
+            mode = "none"
+        if mode == "int8":
+            cache = self._quant_cache()
+            if cache is None or not cache.is_file() or not quant.load(model, cache):
+                quant.prepare(model)
+                if cache is not None:
+                    quant.save(model, cache)
+        switch.int8 = mode == "int8"
+        self.config = replace(self.config, quant=mode)
 
     # ---- requests -------------------------------------------------------------------------
     def encode(self, prompt: Prompt, system: str | None = None) -> list[int]:
@@ -234,7 +265,7 @@ class Engine:
     def update(self, **changes: Any) -> None:
         """Runtime toggles: prefix_cache, kv_cache, chunk_size, max_num_seqs. Apply to new steps."""
         with self._lock:
-            unknown = set(changes) - {"prefix_cache", "kv_cache", "chunk_size", "max_num_seqs"}
+            unknown = set(changes) - {"prefix_cache", "kv_cache", "chunk_size", "max_num_seqs", "quant"}
             if unknown:
                 raise InvalidRequest(f"unknown engine setting(s): {', '.join(sorted(unknown))}")
             if "chunk_size" in changes:
@@ -249,6 +280,11 @@ class Engine:
                 self.scheduler.chunk_size = changes["chunk_size"]
             if "max_num_seqs" in changes:
                 self.scheduler.max_num_seqs = changes["max_num_seqs"]
+            if "quant" in changes:
+                self._set_quant(changes["quant"])
+                # K/V computed with other weights must not be reused as a prefix.
+                self.blocks.set_prefix_cache(False)
+                self.blocks.set_prefix_cache(self.config.prefix_cache and self.config.kv_cache)
 
     def stats(self) -> EngineStats:
         b = self.blocks
@@ -259,7 +295,8 @@ class Engine:
             kv_blocks_cached=b.num_cached_free, kv_bytes_per_token=bpt, kv_bytes_used=b.num_used * bs * bpt,
             kv_bytes_total=b.num_blocks * bs * bpt, running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting), step_ms=ms, step_prefill_tokens=pre, step_decode_tokens=dec,
-            prefix_hit_rate=b.hit_rate, device=str(self.device), weight_bytes=self.loaded.model.weight_bytes(),
+            prefix_hit_rate=b.hit_rate, device=str(self.device),
+            weight_bytes=quant.decode_read_bytes(self.loaded.model, self.loaded.quant), quant=self.config.quant,
             prefix_cache=self.config.prefix_cache, kv_cache=self.config.kv_cache,
             chunk_size=self.config.chunk_size, max_num_seqs=self.config.max_num_seqs,
         )

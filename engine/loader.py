@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from . import quant
 from .errors import DeviceUnavailable, ModelLoadError
 from .model import Transformer
 from .model_config import ModelConfig
@@ -49,6 +50,7 @@ class LoadedModel:
     hf_config: dict[str, Any]
     eos_token_ids: frozenset[int]
     files: ModelFiles
+    quant: "quant.QuantSwitch"
 
 
 def hf_config_of(files: ModelFiles) -> dict[str, Any]:
@@ -123,4 +125,8 @@ def load(files: ModelFiles, device: torch.device, dtype: torch.dtype, seed: int 
         raise ModelLoadError(f"weights do not fit the config in {files.path}: {e}") from e
     del state
     model.eval().requires_grad_(False)
-    return LoadedModel(model, tokenizer, cfg, hf_cfg, eos_ids(cfg, files, tokenizer), files)
+    switch = quant.install(model)
+    if cfg.tie_embeddings:
+        # The LM head reads the embedding matrix; as a QuantLinear it can have an int8 copy too.
+        model.lm_head = quant.QuantLinear(None, switch, weight=model.embed.weight)
+    return LoadedModel(model, tokenizer, cfg, hf_cfg, eos_ids(cfg, files, tokenizer), files, switch)

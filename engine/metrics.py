@@ -87,7 +87,8 @@ class EngineStats:
     device_power_w: float | None = None
     cpu_util_pct: float | None = None
     rss_bytes: int | None = None
-    weight_bytes: int = 0
+    weight_bytes: int = 0             # weight bytes one decode step reads (int8 when active)
+    quant: str = "none"
     # toggles in force, so a UI can show them next to the numbers
     prefix_cache: bool = True
     kv_cache: bool = True

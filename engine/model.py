@@ -124,8 +124,9 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:                  # tied embeddings
+            return F.linear(hidden, self.embed.weight).float()
+        return self.lm_head(hidden).float()
 
     # ---- weights ---------------------------------------------------------------------------
     @torch.no_grad()
