@@ -54,7 +54,8 @@ def _shared_flags() -> argparse.ArgumentParser:
     o.add_argument("--kv-cache-mb", type=_positive_int, default=None, help="KV pool size in MB")
     o.add_argument("--max-batch", type=_positive_int, default=64, help="most requests per step")
     o.add_argument("--spec", choices=["off", "ngram", "draft"], default="off", help="speculative decoding")
-    o.add_argument("--draft-model", default=None)
+    o.add_argument("--draft-model", default=None, help="draft for --spec draft: a model with the same tokenizer, "
+                   "or 'self' (default: the target's own weights in int8)")
     o.add_argument("--spec-tokens", type=_positive_int, default=4)
     o.add_argument("--quant", choices=["none", "int8"], default="none", help="weight quantization")
     return p
@@ -81,15 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def engine_config(args: argparse.Namespace) -> Any:
-    from pdchat.engine import EngineConfig
-    from pdchat.engine.errors import InvalidRequest
-    if args.spec != "off":
-        raise InvalidRequest(f"speculative decoding (--spec {args.spec}) is not available in this build yet")
-    from pdchat.engine import DEFAULT_MODEL
+    from pdchat.engine import DEFAULT_MODEL, EngineConfig
     return EngineConfig(model=args.model or DEFAULT_MODEL, device=args.device, dtype=args.dtype,
                         threads=args.threads, kv_cache=not args.no_kv_cache,
                         prefix_cache=not args.no_prefix_cache, chunk_size=args.chunk_size,
-                        kv_cache_mb=args.kv_cache_mb, max_num_seqs=args.max_batch, quant=args.quant)
+                        kv_cache_mb=args.kv_cache_mb, max_num_seqs=args.max_batch, quant=args.quant,
+                        spec=args.spec, spec_tokens=args.spec_tokens, draft_model=args.draft_model)
 
 
 def sampling_params(args: argparse.Namespace) -> Any:

@@ -25,6 +25,9 @@ class EngineConfig:
     prefix_cache: bool = True
     kv_cache: bool = True              # False = naive mode: recompute the whole sequence each step
     quant: str = "none"                # none | int8 (weight-only, per-channel)
+    spec: str = "off"                  # speculative decoding: off | ngram | draft
+    spec_tokens: int = 4               # initial draft length k (adapts per request)
+    draft_model: str | None = None     # for spec=draft: a model spec, or None/"self" = target in int8
     attention_backend: str = "auto"    # auto | torch | triton
     threads: int | None = None         # torch intra-op threads on CPU; None: leave torch's default
     seed: int = 0                      # for random: models
@@ -37,6 +40,10 @@ class EngineConfig:
             raise InvalidRequest(f"chunk size must be positive, got {self.chunk_size}")
         if self.quant not in ("none", "int8"):
             raise InvalidRequest(f"unknown quantization {self.quant!r} (none, int8)")
+        if self.spec not in ("off", "ngram", "draft"):
+            raise InvalidRequest(f"unknown speculative decoding method {self.spec!r} (off, ngram, draft)")
+        if self.spec_tokens <= 0:
+            raise InvalidRequest(f"spec tokens must be at least 1, got {self.spec_tokens}")
         if self.max_num_seqs <= 0:
             raise InvalidRequest(f"max batch size must be positive, got {self.max_num_seqs}")
 

@@ -25,12 +25,13 @@ from .detokenizer import IncrementalDetokenizer
 from .errors import ContextTooLong, EngineClosed, InvalidRequest, KVCacheTooSmall
 from .loader import load, pick_device, pick_dtype
 from .metrics import EngineStats, RequestMetrics
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, Work
 from .model_source import resolve
 from .paths import cache_dir, models_dir
 from .sampler import sample
-from .scheduler import ScheduledSeq, Scheduler, StepPlan
+from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence, Status
+from .spec import AdaptiveK, Draft, DraftProposer, NgramProposer, verify
 from .stream import Completion, FinishEvent, ProgressEvent, RequestStream, TokenEvent
 
 Prompt = str | list[dict[str, str]] | list[int]
@@ -99,6 +100,10 @@ class Engine:
         self.model_config = mc
         self.max_model_len = min(cfg.max_model_len or mc.max_position, mc.max_position)
         self.kv_bytes_per_token = mc.kv_bytes_per_token(self.dtype)
+        self.proposer = None
+        self.adaptive = AdaptiveK(cfg.spec_tokens)
+        self._draft_runner: ModelRunner | None = None
+        self._draft = self._load_draft(cfg.draft_model, say) if cfg.spec == "draft" else None
         num_blocks = self._pool_blocks()
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_cache)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=cfg.max_num_seqs, chunk_size=cfg.chunk_size,
@@ -110,6 +115,7 @@ class Engine:
                                   cfg.block_size, backend)
         self.notices: list[str] = []             # things a UI should tell the user once
         self._set_quant(cfg.quant)
+        self._set_spec(cfg.spec)
         self.monitor = None
         if cfg.telemetry:
             from .telemetry import DeviceMonitor
@@ -135,7 +141,7 @@ class Engine:
 
     def _pool_blocks(self) -> int:
         cfg = self.config
-        per_block = self.kv_bytes_per_token * cfg.block_size
+        per_block = (self.kv_bytes_per_token + self._draft_kv_bytes_per_token()) * cfg.block_size
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         if cfg.kv_cache_mb is not None:
@@ -163,20 +169,59 @@ class Engine:
         folder.mkdir(parents=True, exist_ok=True)
         return folder / (files.name.replace("/", "--").replace(":", "-") + ".int8.safetensors")
 
+    def _prepare_int8(self) -> bool:
+        """Make the int8 weight copies (from the cache when possible); False if unsupported here."""
+        if not quant.int8_supported(self.device):
+            return False
+        model = self.loaded.model
+        cache = self._quant_cache()
+        if cache is None or not cache.is_file() or not quant.load(model, cache):
+            quant.prepare(model)
+            if cache is not None:
+                quant.save(model, cache)
+        return True
+
     def _set_quant(self, mode: str) -> None:
-        switch, model = self.loaded.quant, self.loaded.model
-        if mode == "int8" and not quant.int8_supported(self.device):
+        if mode == "int8" and not self._prepare_int8():
             self.notices.append(f"int8 weights are not supported on {self.device} by this torch build; "
                                 f"running {str(self.dtype).removeprefix('torch.')}")
             mode = "none"
-        if mode == "int8":
-            cache = self._quant_cache()
-            if cache is None or not cache.is_file() or not quant.load(model, cache):
-                quant.prepare(model)
-                if cache is not None:
-                    quant.save(model, cache)
-        switch.int8 = mode == "int8"
+        self.loaded.quant.int8 = mode == "int8"
         self.config = replace(self.config, quant=mode)
+
+    # ---- speculative decoding -------------------------------------------------------------
+    def _load_draft(self, spec: str | None, say: Callable[[str], None]):
+        if spec in (None, "self"):
+            return None                            # self-draft: the target's own int8 weights
+        draft = load(resolve(spec, say), self.device, self.dtype, seed=self.config.seed)
+        if draft.tokenizer.get_vocab() != self.tokenizer.get_vocab():
+            raise InvalidRequest(f"draft model {spec!r} has a different tokenizer from {self.config.model!r}")
+        return draft
+
+    def _draft_kv_bytes_per_token(self) -> int:
+        if self.config.spec != "draft":
+            return 0
+        cfg = self._draft.config if self._draft is not None else self.model_config
+        return cfg.kv_bytes_per_token(self.dtype)
+
+    def _set_spec(self, mode: str) -> None:
+        self.proposer = None
+        if mode == "ngram":
+            self.proposer = NgramProposer()
+        elif mode == "draft":
+            if self._draft is None and not self._prepare_int8():
+                raise InvalidRequest(f"self-draft needs int8 weights, which this torch build lacks on "
+                                     f"{self.device}; pass --draft-model")
+            if self._draft_runner is None:
+                loaded = self._draft or self.loaded
+                self._draft_runner = ModelRunner(loaded.model, loaded.config, self.device, self.dtype,
+                                                 self.blocks.num_blocks, self.blocks.block_size,
+                                                 self.runner.attention_backend)
+            if self._draft is None:
+                self.proposer = DraftProposer("self-draft", self._draft_runner, int8_switch=self.loaded.quant)
+            else:
+                self.proposer = DraftProposer(f"draft:{self.config.draft_model}", self._draft_runner)
+        self.config = replace(self.config, spec=mode)
 
     # ---- requests -------------------------------------------------------------------------
     def encode(self, prompt: Prompt, system: str | None = None) -> list[int]:
@@ -256,8 +301,7 @@ class Engine:
             if not self.blocks.ensure_capacity(seq, len(token_ids)):
                 raise KVCacheTooSmall(f"{len(token_ids)} tokens do not fit the free KV blocks now")
             try:
-                item = ScheduledSeq(seq, len(token_ids))
-                return self.runner.forward([item], [list(range(len(token_ids)))])
+                return self.runner.forward([Work.of(seq, len(token_ids))], [list(range(len(token_ids)))])
             finally:
                 self.blocks.free_seq(seq)
 
@@ -265,7 +309,8 @@ class Engine:
     def update(self, **changes: Any) -> None:
         """Runtime toggles: prefix_cache, kv_cache, chunk_size, max_num_seqs. Apply to new steps."""
         with self._lock:
-            unknown = set(changes) - {"prefix_cache", "kv_cache", "chunk_size", "max_num_seqs", "quant"}
+            unknown = set(changes) - {"prefix_cache", "kv_cache", "chunk_size", "max_num_seqs", "quant",
+                                      "spec", "spec_tokens"}
             if unknown:
                 raise InvalidRequest(f"unknown engine setting(s): {', '.join(sorted(unknown))}")
             if "chunk_size" in changes:
@@ -280,6 +325,10 @@ class Engine:
                 self.scheduler.chunk_size = changes["chunk_size"]
             if "max_num_seqs" in changes:
                 self.scheduler.max_num_seqs = changes["max_num_seqs"]
+            if "spec_tokens" in changes:
+                self.adaptive = AdaptiveK(changes["spec_tokens"])
+            if "spec" in changes:
+                self._set_spec(changes["spec"])
             if "quant" in changes:
                 self._set_quant(changes["quant"])
                 # K/V computed with other weights must not be reused as a prefix.
@@ -299,6 +348,7 @@ class Engine:
             weight_bytes=quant.decode_read_bytes(self.loaded.model, self.loaded.quant), quant=self.config.quant,
             prefix_cache=self.config.prefix_cache, kv_cache=self.config.kv_cache,
             chunk_size=self.config.chunk_size, max_num_seqs=self.config.max_num_seqs,
+            spec=self.config.spec, spec_tokens=self.config.spec_tokens,
         )
         if self.monitor is not None:
             snap = self.monitor.snapshot()
@@ -369,24 +419,81 @@ class Engine:
         for item in plan.items:
             if item.seq.t_first_token is None and item.seq.num_computed_tokens == (item.seq.num_cached_prompt_tokens or 0):
                 self._progress(item.seq, "prefill", item.seq.num_computed_tokens)
-        sampling = [i for i in plan.items if i.samples]
-        logits = self.runner.forward(plan.items, [[i.num_tokens - 1] if i.samples else [] for i in plan.items])
-        tokens = sample(logits, [i.seq.params for i in sampling],
-                        [i.seq.generator or self._generator for i in sampling]).tolist()
+        drafts, candidates = self._propose(plan.items)
+        work, rows = [], []
+        for idx, item in enumerate(plan.items):
+            w = Work.of(item.seq, item.num_tokens)
+            if idx in drafts:                      # verify: the last token plus k draft tokens
+                w.tokens = w.tokens + drafts[idx].tokens
+                rows.append(list(range(len(w.tokens))))
+            else:
+                rows.append([item.num_tokens - 1] if item.samples else [])
+            work.append(w)
+        logits = self.runner.forward(work, rows)
+        starts = [0]
+        for r in rows:
+            starts.append(starts[-1] + len(r))
+        plain = [idx for idx, item in enumerate(plan.items) if item.samples and idx not in drafts]
+        sampled = []
+        if plain:
+            seqs = [plan.items[i].seq for i in plain]
+            sampled = sample(logits[[starts[i] for i in plain]], [s.params for s in seqs],
+                             [s.generator or self._generator for s in seqs]).tolist()
+        new_tokens = dict(zip(plain, ([t] for t in sampled)))
         now = time.perf_counter()
         prefill_tokens, decode_tokens = plan.num_prefill_tokens, plan.num_decode_tokens
-        for item in plan.items:
+        for idx, item in enumerate(plan.items):
             seq = item.seq
             mid_prefill = not item.samples
             seq.num_computed_tokens += item.num_tokens
+            if idx in drafts:
+                draft = drafts[idx]
+                tokens, accepted = verify(logits[starts[idx]:starts[idx + 1]], draft, seq,
+                                          seq.generator or self._generator)
+                seq.num_computed_tokens += accepted          # accepted drafts' K/V are now valid
+                seq.draft_computed = min(seq.draft_computed, seq.num_computed_tokens)
+                seq.spec_method = self.proposer.name
+                seq.spec_drafted += len(draft.tokens)
+                seq.spec_accepted += accepted
+                seq.spec_steps += 1
+                self.adaptive.update(seq, len(draft.tokens), accepted)
+                new_tokens[idx] = tokens
+                decode_tokens += len(draft.tokens)
             if self.scheduler.kv_cache:
-                self.blocks.commit(seq, seq.num_computed_tokens)
+                self.blocks.commit(seq, seq.num_computed_tokens)   # verified tokens only
             if mid_prefill:
                 self._progress(seq, "prefill", seq.num_computed_tokens)
-        for item, token in zip(sampling, tokens):
-            self._append(item.seq, token, now)
+        for idx, tokens in new_tokens.items():
+            seq = plan.items[idx].seq
+            for token in tokens:
+                if seq.finished:
+                    break
+                self._append(seq, token, now)
+        for idx in candidates:                      # release blocks that held rejected drafts
+            seq = plan.items[idx].seq
+            if not seq.finished:
+                self.blocks.truncate(seq, len(seq.token_ids))
         self._last_step = ((time.perf_counter() - t0) * 1000, prefill_tokens, decode_tokens)
         return plan
+
+    def _propose(self, items: list) -> tuple[dict[int, Draft], list[int]]:
+        """Draft tokens for running decodes (speculative decoding), with blocks reserved for them."""
+        if self.proposer is None or not self.scheduler.kv_cache:
+            return {}, []
+        candidates, ks = [], []
+        for idx, item in enumerate(items):
+            seq = item.seq
+            if item.num_tokens != 1 or not item.samples or seq.t_first_token is None:
+                continue
+            room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids)) - 1
+            k = min(self.adaptive.next_k(seq), room)
+            if k > 0 and self.blocks.ensure_capacity(seq, len(seq.token_ids) + k):
+                candidates.append(idx)
+                ks.append(k)
+        if not candidates:
+            return {}, []
+        drafts = self.proposer.propose([items[i].seq for i in candidates], ks)
+        return {i: d for i, d in zip(candidates, drafts) if d.tokens}, candidates
 
     def _progress(self, seq: Sequence, phase: str, computed: int) -> None:
         seq.sink.put(ProgressEvent(phase, min(computed, seq.num_prompt_tokens), seq.num_prompt_tokens,

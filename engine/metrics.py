@@ -29,6 +29,9 @@ class RequestMetrics:
     spec_method: str | None = None
     spec_drafted: int = 0
     spec_accepted: int = 0
+    spec_steps: int = 0                  # verify forwards
+    spec_acceptance: float | None = None  # accepted / drafted
+    spec_mean_accepted: float | None = None   # accepted draft tokens per verify step
     preemptions: int = 0
     finish_reason: str | None = None
 
@@ -55,6 +58,9 @@ class RequestMetrics:
             spec_method=seq.spec_method,
             spec_drafted=seq.spec_drafted,
             spec_accepted=seq.spec_accepted,
+            spec_steps=seq.spec_steps,
+            spec_acceptance=seq.spec_accepted / seq.spec_drafted if seq.spec_drafted else None,
+            spec_mean_accepted=seq.spec_accepted / seq.spec_steps if seq.spec_steps else None,
             preemptions=seq.preemptions,
             finish_reason=seq.finish_reason,
         )
@@ -89,6 +95,8 @@ class EngineStats:
     rss_bytes: int | None = None
     weight_bytes: int = 0             # weight bytes one decode step reads (int8 when active)
     quant: str = "none"
+    spec: str = "off"
+    spec_tokens: int = 0
     # toggles in force, so a UI can show them next to the numbers
     prefix_cache: bool = True
     kv_cache: bool = True

@@ -1,12 +1,27 @@
 """Turns a step plan into one flat varlen forward over the paged KV cache, and returns logits."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pdchat.kernels import reference
 from .model import Transformer
 from .model_config import ModelConfig
-from .scheduler import ScheduledSeq
+from .sequence import Sequence
+
+
+@dataclass
+class Work:
+    """One sequence's share of a forward: tokens at positions start.., in its block table."""
+    tokens: list[int]
+    start: int
+    block_table: list[int]
+
+    @classmethod
+    def of(cls, seq: Sequence, num_tokens: int) -> "Work":
+        start = seq.num_computed_tokens
+        return cls(seq.token_ids[start:start + num_tokens], start, seq.block_table)
 
 
 class ModelRunner:
@@ -32,10 +47,10 @@ class ModelRunner:
         return 2 * self.k_cache.numel() * self.k_cache.element_size()
 
     @torch.inference_mode()
-    def forward(self, items: list[ScheduledSeq], rows: list[list[int]]) -> torch.Tensor:
-        """Compute items' new tokens; return fp32 logits for the requested rows.
+    def forward(self, items: list[Work], rows: list[list[int]]) -> torch.Tensor:
+        """Compute K/V for each item's tokens and return fp32 logits for the requested rows.
 
-        rows[i] lists offsets within item i's new tokens (e.g. [n-1] for the last one).
+        rows[i] lists offsets within item i's tokens (e.g. [n-1] for the last one).
         """
         bs = self.block_size
         ids: list[int] = []
@@ -45,19 +60,18 @@ class ModelRunner:
         clens: list[int] = []
         want: list[int] = []
         for item, item_rows in zip(items, rows):
-            seq = item.seq
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_tokens
-            table = seq.block_table
+            start, end = item.start, item.start + len(item.tokens)
+            table = item.block_table
             want.extend(len(ids) + r for r in item_rows)
-            ids.extend(seq.token_ids[start:end])
+            ids.extend(item.tokens)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            qlens.append(item.num_tokens)
+            qlens.append(len(item.tokens))
             clens.append(end)
-        max_blocks = max(len(i.seq.block_table) for i in items)
+        max_blocks = max(len(i.block_table) for i in items)
         tables = torch.zeros(len(items), max_blocks, dtype=torch.int32)
         for i, item in enumerate(items):
-            tables[i, :len(item.seq.block_table)] = torch.tensor(item.seq.block_table, dtype=torch.int32)
+            tables[i, :len(item.block_table)] = torch.tensor(item.block_table, dtype=torch.int32)
         dev = self.device
         input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True)

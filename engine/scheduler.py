@@ -144,7 +144,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free_seq(seq)
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.draft_computed = 0
         seq.status = Status.WAITING
         seq.preemptions += 1
         self.waiting.appendleft(seq)

@@ -42,6 +42,10 @@ class Sequence:
     spec_drafted: int = 0
     spec_accepted: int = 0
     spec_steps: int = 0
+    spec_k: int = 0                       # current draft length (adaptive); 0 = not set yet
+    spec_off: bool = False                # speculation stopped for this request (low acceptance)
+    spec_recent: list[tuple[int, int]] = field(default_factory=list)   # (drafted, accepted)
+    draft_computed: int = 0               # positions whose draft-model K/V are in the cache
     generator: Any = None                 # torch.Generator of a seeded request
     sink: Any = None                      # where events go (a RequestStream)
 

@@ -1,0 +1,160 @@
+"""Speculative decoding: proposers guess k tokens, the target checks them all in ONE forward.
+
+Proposers:
+- `NgramProposer` (prompt lookup): find the latest earlier occurrence of the sequence's last n
+  tokens and propose what followed it. Free; shines when the answer quotes its context.
+- `DraftProposer`: a smaller model with the same tokenizer, or the target's own weights in int8
+  ("self-draft"). Its K/V live in a pool of its own that shares the target's block tables, so
+  the draft's cache follows the target's (allocation, rollback, preemption) without bookkeeping
+  of its own beyond how many positions it has computed.
+
+`verify` is lossless: greedy accepts while the draft equals the target's argmax; sampling uses
+rejection sampling (accept with min(1, p/q), else sample the normalised residual max(0, p - q),
+plus a bonus token when all k are accepted), so outputs follow the target distribution exactly.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .model_runner import ModelRunner, Work
+from .sampler import target_probs
+from .sequence import Sequence
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    probs: torch.Tensor | None     # [k, V] draft distribution per token; None = one-hot (n-gram)
+
+
+class Proposer(Protocol):
+    name: str
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]: ...
+
+
+class NgramProposer:
+    name = "ngram"
+
+    def __init__(self, max_n: int = 3, min_n: int = 1):
+        self.max_n, self.min_n = max_n, min_n
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        return [Draft(self.lookup(s.token_ids, k), None) for s, k in zip(seqs, ks)]
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """The k tokens that followed the latest earlier occurrence of the longest matching tail."""
+        n_tokens = len(tokens)
+        for n in range(min(self.max_n, n_tokens - 1), self.min_n - 1, -1):
+            tail = tokens[n_tokens - n:]
+            # Search backwards from the most recent candidate; the tail itself is excluded.
+            for start in range(n_tokens - n - 1, -1, -1):
+                if tokens[start:start + n] == tail:
+                    follow = tokens[start + n:start + n + k]
+                    if follow:
+                        return follow
+        return []
+
+
+class DraftProposer:
+    """Runs a draft model over the target's block tables with its own K/V pool."""
+
+    def __init__(self, name: str, runner: ModelRunner, int8_switch=None):
+        self.name = name
+        self.runner = runner
+        self.int8_switch = int8_switch        # self-draft: the target's weights, int8 copy
+
+    def _mode(self):
+        if self.int8_switch is None:
+            return contextlib.nullcontext()
+        from .quant import int8_mode
+        return int8_mode(self.int8_switch)
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        drafts = [Draft([], None) for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        # Step 0 catches the draft's cache up to the last known token; each later step feeds the
+        # previous draft token.
+        pending = [(i, s.token_ids[s.draft_computed:], s.draft_computed) for i, s in enumerate(seqs) if ks[i] > 0]
+        with self._mode():
+            while pending:
+                work = [Work(tokens, start, seqs[i].block_table) for i, tokens, start in pending]
+                logits = self.runner.forward(work, [[len(w.tokens) - 1] for w in work])
+                p = target_probs(logits, [seqs[i].params for i, _, _ in pending])
+                nxt = []
+                for row, (i, tokens, start) in enumerate(pending):
+                    seq = seqs[i]
+                    seq.draft_computed = start + len(tokens)
+                    if seq.params.greedy:
+                        token = int(p[row].argmax())
+                    else:
+                        token = int(torch.multinomial(p[row], 1, generator=seq.generator)[0])
+                    drafts[i].tokens.append(token)
+                    probs[i].append(p[row])
+                    if len(drafts[i].tokens) < ks[i]:
+                        nxt.append((i, [token], seq.draft_computed))
+                pending = nxt
+        for d, ps in zip(drafts, probs):
+            d.probs = torch.stack(ps) if ps else None
+        return drafts
+
+
+def verify(target_logits: torch.Tensor, draft: Draft, seq: Sequence,
+           generator: torch.Generator | None) -> tuple[list[int], int]:
+    """target_logits [k+1, V] at the last known token and each draft token.
+
+    Returns (tokens to append, number of draft tokens accepted); always at least one token.
+    """
+    k = len(draft.tokens)
+    p = target_probs(target_logits, [seq.params] * (k + 1))
+    out: list[int] = []
+    for i, token in enumerate(draft.tokens):
+        q_tok = 1.0 if draft.probs is None else float(draft.probs[i, token])
+        p_tok = float(p[i, token])
+        accept = p_tok >= q_tok or float(torch.rand(1, generator=generator, device=p.device)) * q_tok < p_tok
+        if accept:
+            out.append(token)
+            continue
+        if draft.probs is None:
+            residual = p[i].clone()
+            residual[token] = 0
+        else:
+            residual = (p[i] - draft.probs[i]).clamp(min=0)
+        total = residual.sum()
+        residual = residual / total if float(total) > 0 else p[i]
+        out.append(_pick(residual, seq, generator))
+        return out, i
+    out.append(_pick(p[k], seq, generator))         # all accepted: a bonus token from the target
+    return out, k
+
+
+def _pick(probs: torch.Tensor, seq: Sequence, generator: torch.Generator | None) -> int:
+    if seq.params.greedy:
+        return int(probs.argmax())
+    return int(torch.multinomial(probs, 1, generator=generator)[0])
+
+
+class AdaptiveK:
+    """Per-request draft length: +2 after a fully accepted draft, -1 otherwise, within [1, max_k];
+    speculation stops for a request whose acceptance stays low (open-ended chat pays nothing)."""
+
+    def __init__(self, k: int, max_k: int | None = None, min_rate: float = 0.25, window: int = 24):
+        self.k0, self.max_k, self.min_rate, self.window = k, max_k or 2 * k, min_rate, window
+
+    def next_k(self, seq: Sequence) -> int:
+        if seq.spec_off:
+            return 0
+        return seq.spec_k or self.k0
+
+    def update(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        k = seq.spec_k or self.k0
+        seq.spec_k = min(k + 2, self.max_k) if accepted == drafted else max(k - 1, 1)
+        seq.spec_recent.append((drafted, accepted))
+        recent = seq.spec_recent[-self.window:]
+        total = sum(d for d, _ in recent)
+        if total >= self.window and sum(a for _, a in recent) / total < self.min_rate:
+            seq.spec_off = True
