@@ -64,10 +64,11 @@ def check(out: torch.Tensor, batch: Batch, scale: float, dtype: torch.dtype) -> 
     torch.testing.assert_close(out.cpu().float(), batch.expected(scale), **TOL[dtype])
 
 
-# One batch with every kind of work the scheduler mixes: a fresh prefill, a prefill chunk over a
-# cached prefix longer than a key tile, a decode and a 5-token speculative verification.
+# One batch with every kind of work the scheduler mixes: a fresh prefill, prefill chunks over a
+# cached prefix (one longer than a key tile), a decode and a 5-token speculative verification
+# whose first position (62) is the last one before a 64-key tile boundary the kernel must mask.
 MIXED_Q = [37, 20, 1, 5, 3]
-MIXED_C = [37, 70, 45, 50, 150]
+MIXED_C = [37, 70, 45, 67, 150]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, bf16_dot])
@@ -88,7 +89,8 @@ def test_host_lists_are_optional() -> None:
 
 def test_long_prefill_takes_several_query_tiles() -> None:
     # 70 tokens x group 2 = 140 rows: two 128-row tiles (64 tokens each), the second partial.
-    b = Batch([70, 2], [70, 9], 1, 2, 16, 16, torch.float16, seed=7)
+    # Over a 1-token cached prefix, the first tile's last query (position 64) opens a new key tile.
+    b = Batch([70, 2], [71, 9], 1, 2, 16, 16, torch.float16, seed=7)
     check(ta.paged_attention(*b.args(DEVICE), 0.25, query_lens_host=b.qlens, context_lens_host=b.clens),
           b, 0.25, torch.float16)
 
@@ -109,6 +111,17 @@ def test_split_k_decode(dtype: torch.dtype, group: int, num_splits: int) -> None
     b = Batch([1, 1, 1], [300, 1, 95], 2, group, 16, 8, dtype, seed=num_splits)
     out = ta.paged_attention_split_k(*b.args(DEVICE), 0.25, num_splits)
     check(out, b, 0.25, dtype)
+
+
+def test_empty_context_rows_give_zeros() -> None:
+    # A fixed-size decode batch (CUDA graphs) pads with context-0 rows: both paths must give 0, not NaN.
+    b = Batch([1, 1], [40, 1], 2, 2, 16, 16, torch.float32, seed=9)
+    args = list(b.args(DEVICE))
+    args[5] = torch.tensor([40, 0], dtype=torch.int32, device=DEVICE)
+    want = b.expected(0.25)[0]
+    for out in (ta.paged_attention_varlen(*args, 0.25, 1), ta.paged_attention_split_k(*args, 0.25, 2)):
+        torch.testing.assert_close(out[0].cpu(), want, **TOL[torch.float32])
+        assert torch.equal(out[1].cpu(), torch.zeros_like(out[1].cpu()))
 
 
 def test_paged_attention_picks_split_k_for_long_single_decode(monkeypatch: pytest.MonkeyPatch) -> None:
