@@ -61,23 +61,42 @@ def _shared_flags() -> argparse.ArgumentParser:
     return p
 
 
+BACKEND_HELP = ("an OpenAI-compatible server (pdchat serve, vLLM, SGLang, llama.cpp, Ollama) instead of the "
+                "local engine; API key from $PDCHAT_API_KEY or $OPENAI_API_KEY")
+
+
 def build_parser() -> argparse.ArgumentParser:
     shared = _shared_flags()
     parser = argparse.ArgumentParser(
         prog="pdchat", parents=[shared],
         description="Chat with a local LLM and watch prefill, decode, the KV cache and the device live.")
+    parser.add_argument("--backend", metavar="URL", default=None, help=BACKEND_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     run = sub.add_parser("run", parents=[shared], help="one turn headless: stream the answer, then a summary")
     run.add_argument("prompt", nargs="?", default=None, help="the prompt ('-' or absent: read stdin)")
     run.add_argument("--json", action="store_true", help="print one JSON object {text, token_ids, finish_reason, metrics}")
+    run.add_argument("--backend", metavar="URL", default=None, help=BACKEND_HELP)
     pull = sub.add_parser("pull", help="fetch a model into the cache")
     pull.add_argument("model", nargs="?", default=None)
     sub.add_parser("models", help="list cached models")
     sub.add_parser("info", help="versions, device, GPU, data/config/cache paths")
-    bench = sub.add_parser("bench", parents=[shared], help="measure: toggles | baseline")
-    bench.add_argument("suite", help="toggles | baseline")
+    bench = sub.add_parser("bench", parents=[shared], help="measure: toggles | baseline | spec")
+    bench.add_argument("suite", help="toggles | baseline | spec")
     bench.add_argument("--json", action="store_true", help="print machine-readable results")
     bench.add_argument("--quick", action="store_true", help="small sizes (for a smoke test)")
+    load = bench.add_argument_group("bench serve (a load test of --backend URL)")
+    load.add_argument("--backend", metavar="URL", default=None, help="the OpenAI-compatible server to load")
+    load.add_argument("--concurrency", type=_positive_int, default=16, help="clients sending at once (default 16)")
+    load.add_argument("--requests", type=_positive_int, default=64, help="requests in all (default 64)")
+    load.add_argument("--prompt-words", type=_positive_int, default=64, help="words per prompt (default 64)")
+    load.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens (vLLM, SGLang, llama.cpp, pdchat)")
+    load.add_argument("--endpoint", choices=["chat", "completions"], default="chat", help="which API to load")
+    serve = sub.add_parser("serve", parents=[shared], help="OpenAI-compatible HTTP server (127.0.0.1 by default)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=_positive_int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    serve.add_argument("--max-pending", type=_positive_int, default=256,
+                       help="requests admitted at once, running and waiting; more get HTTP 503 (default 256)")
     return parser
 
 
@@ -125,10 +144,13 @@ def summary_line(m: dict[str, Any]) -> str:
     cached = f" ({m['cached_prompt_tokens']} cached)" if m.get("cached_prompt_tokens") else ""
     return (f"TTFT {num(m['ttft_ms'], ',.0f')} ms · prefill {num(m['prefill_tok_s'], ',.0f')} tok/s · "
             f"{m['output_tokens']} tok @ {num(m['decode_tok_s'], ',.1f')} tok/s · TPOT {num(m['tpot_ms'], ',.1f')} ms · "
-            f"{m['prompt_tokens']} prompt tok{cached} · {m['finish_reason']}")
+            f"{num(m['prompt_tokens'], ',')} prompt tok{cached} · {m['finish_reason']}")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if args.backend:
+        from pdchat.chatapp.remote_run import run_remote
+        return run_remote(args)
     from pdchat.engine import Engine, FinishEvent, TokenEvent
     prompt = _read_prompt(args)
     params = sampling_params(args)
@@ -188,15 +210,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from pdchat.chatapp.bench_report import progress_bar, render
-    from pdchat.engine.bench import run_suite
     console = Console(stderr=args.json)         # with --json, stdout carries the JSON alone
     bar, update = progress_bar(console)
     with bar:
-        result = run_suite(args.suite, engine_config(args), quick=args.quick, progress=update)
+        if args.suite == "serve":            # a client: loads a server, needs no local engine
+            from pdchat.chatapp.loadtest import run_from_args
+            result = run_from_args(args, progress=update)
+        else:
+            from pdchat.engine.bench import run_suite
+            result = run_suite(args.suite, engine_config(args), quick=args.quick, progress=update)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         render(result, console)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pdchat.chatapp.serve.app import serve
+    serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key, max_pending=args.max_pending)
     return 0
 
 
@@ -207,21 +239,23 @@ def cmd_chat(args: argparse.Namespace) -> int:
                "top_k": args.top_k, "seed": args.seed, "system": args.system,
                "kv_cache": not args.no_kv_cache, "prefix_cache": not args.no_prefix_cache,
                "chunk_size": args.chunk_size, "spec": args.spec, "draft_model": args.draft_model,
-               "spec_tokens": args.spec_tokens, "quant": args.quant}
+               "spec_tokens": args.spec_tokens, "quant": args.quant, "backend": args.backend}
     return run_app({k: v for k, v in options.items() if v is not None})
 
 
 COMMANDS: dict[str | None, Callable[[argparse.Namespace], int]] = {
     None: cmd_chat, "run": cmd_run, "pull": cmd_pull, "models": cmd_models, "info": cmd_info, "bench": cmd_bench,
+    "serve": cmd_serve,
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from pdchat.chatapp.openai_client import RemoteError
     from pdchat.engine.errors import EngineError
     try:
         return COMMANDS[args.command](args)
-    except EngineError as e:
+    except (EngineError, RemoteError) as e:
         print(f"pdchat: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:

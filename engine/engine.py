@@ -33,6 +33,7 @@ from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence, Status
 from .spec import AdaptiveK, Draft, DraftProposer, NgramProposer, verify
 from .stream import Completion, FinishEvent, ProgressEvent, RequestStream, TokenEvent
+from .telemetry import achieved_bandwidth, peak_bandwidth
 
 Prompt = str | list[dict[str, str]] | list[int]
 
@@ -129,6 +130,7 @@ class Engine:
         self._lock = threading.RLock()           # one step, or one toggle change, at a time
         self._closed = False
         self._last_step = (None, 0, 0)           # (ms, prefill tokens, decode tokens)
+        self._bandwidth: float | None = None     # bytes/s implied by the last decode-only step
         self._generator = torch.Generator(device=self.device).manual_seed(torch.seed() % 2**63)
         self._thread = threading.Thread(target=self._loop, name="pdchat-engine", daemon=True)
         self._thread.start()
@@ -187,6 +189,7 @@ class Engine:
                                 f"running {str(self.dtype).removeprefix('torch.')}")
             mode = "none"
         self.loaded.quant.int8 = mode == "int8"
+        self._weight_read_bytes = quant.decode_read_bytes(self.loaded.model, self.loaded.quant)
         self.config = replace(self.config, quant=mode)
 
     # ---- speculative decoding -------------------------------------------------------------
@@ -345,16 +348,18 @@ class Engine:
             kv_bytes_total=b.num_blocks * bs * bpt, running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting), step_ms=ms, step_prefill_tokens=pre, step_decode_tokens=dec,
             prefix_hit_rate=b.hit_rate, device=str(self.device),
-            weight_bytes=quant.decode_read_bytes(self.loaded.model, self.loaded.quant), quant=self.config.quant,
+            weight_bytes=self._weight_read_bytes, quant=self.config.quant,
             prefix_cache=self.config.prefix_cache, kv_cache=self.config.kv_cache,
             chunk_size=self.config.chunk_size, max_num_seqs=self.config.max_num_seqs,
             spec=self.config.spec, spec_tokens=self.config.spec_tokens,
+            achieved_bandwidth=self._bandwidth,
         )
         if self.monitor is not None:
             snap = self.monitor.snapshot()
             for name in ("device_name", "device_util_pct", "device_mem_used", "device_mem_total",
                          "device_power_w", "cpu_util_pct", "rss_bytes"):
                 setattr(st, name, getattr(snap, name))
+            st.peak_bandwidth = peak_bandwidth(snap.device_name) if self.device.type == "cuda" else None
         return st
 
     def close(self) -> None:
@@ -473,7 +478,11 @@ class Engine:
             seq = plan.items[idx].seq
             if not seq.finished:
                 self.blocks.truncate(seq, len(seq.token_ids))
-        self._last_step = ((time.perf_counter() - t0) * 1000, prefill_tokens, decode_tokens)
+        step_s = time.perf_counter() - t0
+        self._last_step = (step_s * 1000, prefill_tokens, decode_tokens)
+        if not prefill_tokens:       # decode-only: memory traffic = weights + the K/V attended over
+            kv_read = sum(len(i.seq.token_ids) for i in plan.items) * self.kv_bytes_per_token
+            self._bandwidth = achieved_bandwidth(self._weight_read_bytes, kv_read, 1 / step_s)
         return plan
 
     def _propose(self, items: list) -> tuple[dict[int, Draft], list[int]]:

@@ -97,6 +97,8 @@ class EngineStats:
     quant: str = "none"
     spec: str = "off"
     spec_tokens: int = 0
+    achieved_bandwidth: float | None = None   # bytes/s: (weights + K/V read) x decode steps/s
+    peak_bandwidth: float | None = None       # the device's datasheet peak, when known
     # toggles in force, so a UI can show them next to the numbers
     prefix_cache: bool = True
     kv_cache: bool = True

@@ -43,17 +43,19 @@ class QuantLinear(nn.Module):
 
     def prepare(self) -> None:
         if self.qweight is None:
-            q, s = quantize_int8(self.weight)
-            self.qweight, self.scales = q, s
+            self.qweight, self.scales = quantize_int8(self.weight)
+
+    @property
+    def act_dtype(self) -> torch.dtype:
+        # aten's int8 CPU kernel is fast with bf16 activations (its fp32 path is not).
+        return torch.bfloat16 if self.weight.device.type == "cpu" else self.weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.switch.int8 and self.qweight is not None):
             return F.linear(x, self.weight, self.bias)
         shape = x.shape
-        # aten's int8 CPU kernel is fast with bf16 activations (its fp32 path is not).
-        act = torch.bfloat16 if x.device.type == "cpu" else x.dtype
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(act), self.qweight,
-                                               self.scales.to(act)).to(x.dtype)
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(self.scales.dtype), self.qweight,
+                                               self.scales).to(x.dtype)
         y = y.reshape(*shape[:-1], y.shape[-1])
         return y + self.bias if self.bias is not None else y
 
@@ -84,6 +86,7 @@ def prepare(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, QuantLinear):
             module.prepare()
+            module.scales = module.scales.to(module.act_dtype)
 
 
 @contextlib.contextmanager
@@ -125,7 +128,7 @@ def load(model: nn.Module, path) -> bool:
         q, s = tensors[f"{name}.qweight"], tensors[f"{name}.scales"]
         if q.shape != m.weight.shape:
             return False
-        m.qweight, m.scales = q.to(m.weight.device), s.to(m.weight.device)
+        m.qweight, m.scales = q.to(m.weight.device), s.to(m.weight.device, m.act_dtype)
     return True
 
 

@@ -73,8 +73,9 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
     bs = k_cache.shape[1]
     max_c = max(clens)
     tables = block_tables[:, : (max_c + bs - 1) // bs]
-    k = k_cache[tables].flatten(1, 2)[:, :max_c].transpose(1, 2)              # [B, KVH, c, D]
-    v = v_cache[tables].flatten(1, 2)[:, :max_c].transpose(1, 2)
+    flat = tables.reshape(-1)                         # index_select is far cheaper than fancy indexing
+    k = k_cache.index_select(0, flat).view(B, -1, *k_cache.shape[2:])[:, :max_c].transpose(1, 2)  # [B, KVH, c, D]
+    v = v_cache.index_select(0, flat).view(B, -1, *v_cache.shape[2:])[:, :max_c].transpose(1, 2)
     mask = None
     if min(clens) != max_c:
         lens = torch.tensor(clens, device=q.device)
