@@ -38,3 +38,37 @@ class IncrementalDetokenizer:
         full = self._decode(self.ids[self.prefix_offset:])
         self.prefix_offset = self.read_offset = len(self.ids)
         return full[len(prefix):] if len(full) > len(prefix) else ""
+
+
+class TextOutput:
+    """Per-request text state: detokenizer, stop strings, what has been emitted."""
+
+    def __init__(self, detok: IncrementalDetokenizer, stop: list[str]):
+        self.detok = detok
+        self.stop = stop
+        self.text = ""
+        self.emitted = 0
+        self.hold = max((len(s) for s in stop), default=1) - 1   # a stop string may be forming
+        self.stopped = False
+
+    def add(self, token_id: int) -> str:
+        """Add a token; return the text to emit now. Sets `stopped` when a stop string appears."""
+        self.text += self.detok.add(token_id)
+        for s in self.stop:
+            at = self.text.find(s, max(0, self.emitted - len(s)))
+            if at >= 0:
+                self.text = self.text[:at]
+                self.stopped = True
+                return self._emit(len(self.text))
+        return self._emit(len(self.text) - self.hold)
+
+    def finish(self) -> str:
+        """The held-back rest of the text, once the request ends."""
+        if not self.stopped:
+            self.text += self.detok.flush()
+        return self._emit(len(self.text))
+
+    def _emit(self, upto: int) -> str:
+        upto = max(upto, self.emitted)
+        out, self.emitted = self.text[self.emitted:upto], upto
+        return out

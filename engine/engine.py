@@ -21,21 +21,20 @@ import torch
 from . import quant
 from .block_manager import BlockManager
 from .config import EngineConfig, SamplingParams
-from .detokenizer import IncrementalDetokenizer
+from .detokenizer import IncrementalDetokenizer, TextOutput
 from .errors import ContextTooLong, EngineClosed, InvalidRequest, KVCacheTooSmall
 from .loader import load, pick_device, pick_dtype
 from .metrics import EngineStats, RequestMetrics
 from .model_runner import ModelRunner, Work
 from .model_source import resolve
 from .paths import cache_dir, models_dir
+from .prompt import Prompt, encode_prompt
 from .sampler import sample
 from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence, Status
 from .spec import AdaptiveK, Draft, DraftProposer, NgramProposer, verify
 from .stream import Completion, FinishEvent, ProgressEvent, RequestStream, TokenEvent
 from .telemetry import achieved_bandwidth, peak_bandwidth
-
-Prompt = str | list[dict[str, str]] | list[int]
 
 CPU_KV_MB = 512
 # Default prefill chunk sizes, from `pdchat bench toggles` (README): on CPU a step's time grows
@@ -46,41 +45,6 @@ GPU_CHUNK = 512
 
 def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-class _Output:
-    """Per-request text state: detokenizer, stop strings, what has been emitted."""
-
-    def __init__(self, detok: IncrementalDetokenizer, stop: list[str]):
-        self.detok = detok
-        self.stop = stop
-        self.text = ""
-        self.emitted = 0
-        self.hold = max((len(s) for s in stop), default=1) - 1   # a stop string may be forming
-
-        self.stopped = False
-
-    def add(self, token_id: int) -> str:
-        """Add a token; return the text to emit now. Sets `stopped` when a stop string appears."""
-        self.text += self.detok.add(token_id)
-        for s in self.stop:
-            at = self.text.find(s, max(0, self.emitted - len(s)))
-            if at >= 0:
-                self.text = self.text[:at]
-                self.stopped = True
-                return self._emit(len(self.text))
-        return self._emit(len(self.text) - self.hold)
-
-    def finish(self) -> str:
-        """The held-back rest of the text, once the request ends."""
-        if not self.stopped:
-            self.text += self.detok.flush()
-        return self._emit(len(self.text))
-
-    def _emit(self, upto: int) -> str:
-        upto = max(upto, self.emitted)
-        out, self.emitted = self.text[self.emitted:upto], upto
-        return out
 
 
 class Engine:
@@ -123,7 +87,7 @@ class Engine:
             self.monitor = DeviceMonitor(self.device)
             self.monitor.start()
         self._seqs: dict[str, Sequence] = {}
-        self._outputs: dict[str, _Output] = {}
+        self._outputs: dict[str, TextOutput] = {}
         self._ids = itertools.count()
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -229,35 +193,7 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------
     def encode(self, prompt: Prompt, system: str | None = None) -> list[int]:
         """Token ids for a prompt: text (as one user turn), chat messages, or ids as they are."""
-        if isinstance(prompt, str):
-            if not prompt.strip():
-                raise InvalidRequest("empty prompt")
-            messages = [{"role": "user", "content": prompt}]
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary "
-                                     f"(0..{self.model_config.vocab_size - 1})")
-            return list(prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            for m in prompt:
-                if "role" not in m or not isinstance(m.get("content"), str):
-                    raise InvalidRequest("each chat message needs a 'role' and a string 'content'")
-            messages = list(prompt)
-        else:
-            raise InvalidRequest("empty prompt" if not prompt else
-                                 "a prompt is a string, a list of chat messages, or a list of token ids")
-        if system and messages[0]["role"] != "system":
-            messages = [{"role": "system", "content": system}] + messages
-        tok = self.tokenizer
-        if getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        else:
-            text = "\n\n".join(m["content"] for m in messages)
-        ids = tok.encode(text, add_special_tokens=False)
-        if not ids:
-            raise InvalidRequest("empty prompt")
-        return ids
+        return encode_prompt(self.tokenizer, self.model_config.vocab_size, prompt, system)
 
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, system: str | None = None,
                namespace: Any = None) -> RequestStream:
@@ -405,7 +341,7 @@ class Engine:
                 return
             if kind == "add":
                 self._seqs[arg.request_id] = arg
-                self._outputs[arg.request_id] = _Output(
+                self._outputs[arg.request_id] = TextOutput(
                     IncrementalDetokenizer(self.tokenizer, arg.prompt_ids), arg.params.stop)
                 self.scheduler.add(arg)
             elif kind == "cancel" and arg in self._seqs:
