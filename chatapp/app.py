@@ -183,9 +183,16 @@ class PdchatApp(App):
                                 if not self.backend.capabilities.get("spec") else "for the next reply",
                                 lambda m=method: self.apply_toggles({"spec": m}))
 
-    def on_unmount(self) -> None:
-        for live in list(self.chat.live.values()) if self.screen_stack else []:
-            live.generation.cancel()
+    async def _on_exit_app(self) -> None:
+        self.cancel_all()
+        await super()._on_exit_app()
+
+    def cancel_all(self) -> None:
+        """Stop every reply in flight (on exit), so no worker thread is left waiting."""
+        for screen in self.screen_stack:
+            if isinstance(screen, ChatScreen):
+                for live in list(screen.live.values()):
+                    live.generation.cancel()
 
 
 def _read_config() -> dict:

@@ -67,7 +67,7 @@ class ChatScreen(ChatActions, Screen):
             with Vertical(id="chat"):
                 yield VerticalScroll(id="messages")
                 yield Static("", id="status")
-                yield ChatInput(id="input")
+                yield ChatInput(id="input", cursor_blink=not self.app.is_headless)
             with Vertical(id="side"):
                 yield TogglesBox(app.toggles, app.backend.capabilities, id="toggles")
                 yield TelemetryPanel(id="telemetry")
@@ -281,7 +281,11 @@ class ChatScreen(ChatActions, Screen):
         if snap:
             tokens = snap.total + snap.output_tokens
         self.query_one(TelemetryPanel).update_data(stats, snap, last, self.backend.capabilities,
-                                                   self.app.toggles.to_dict(), tokens)
+                                                   self.app.toggles.to_dict(), tokens, self.backend.now())
+
+    def on_unmount(self) -> None:
+        for live in list(self.live.values()):
+            live.generation.cancel()
 
     def on_resize(self, event) -> None:
         self.set_class(event.size.width < 110, "-narrow")

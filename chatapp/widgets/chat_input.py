@@ -12,8 +12,9 @@ class ChatInput(TextArea):
             super().__init__()
             self.text = text
 
-    def __init__(self, **kwargs):
+    def __init__(self, cursor_blink: bool = True, **kwargs):
         super().__init__(soft_wrap=True, show_line_numbers=False, tab_behavior="focus", **kwargs)
+        self.cursor_blink = cursor_blink
         self.placeholder = "Message (Enter sends · Ctrl+J newline · Esc cancels · F1 help)"
 
     async def _on_key(self, event: events.Key) -> None:

@@ -30,6 +30,7 @@ class TelemetryPanel(VerticalScroll):
         super().__init__(**kwargs)
         self.device_history: deque[float] = deque(maxlen=WIDTH)
         self.width_cells = WIDTH
+        self._sampled_at: float | None = None
 
     def compose(self):
         for name in ("phase", "latency", "timeline", "kv", "batch", "spec", "device"):
@@ -46,7 +47,8 @@ class TelemetryPanel(VerticalScroll):
         self.query_one(f"#tm-{name}", Static).update(text)
 
     def update_data(self, stats: dict[str, Any], live: LiveSnapshot | None, last: dict | None,
-                    caps: dict[str, bool], toggles: dict[str, Any], conv_tokens: int = 0) -> None:
+                    caps: dict[str, bool], toggles: dict[str, Any], conv_tokens: int = 0,
+                    now: float | None = None) -> None:
         c = roles(self.app)
         w = max(10, self.size.width - 4) if self.size.width else WIDTH
         self.width_cells = w
@@ -56,7 +58,7 @@ class TelemetryPanel(VerticalScroll):
         self._put("kv", self._kv(stats, c, w, conv_tokens))
         self._put("batch", self._batch(stats))
         self._put("spec", self._spec(last, caps, toggles))
-        self._put("device", self._device(stats, c, w))
+        self._put("device", self._device(stats, c, w, now))
 
     # ---- sections -------------------------------------------------------------------------------
     def _phase(self, live: LiveSnapshot | None, last: dict | None, c: dict, w: int) -> Text:
@@ -186,13 +188,15 @@ class TelemetryPanel(VerticalScroll):
         t.append(f"{(m.get('output_tokens') or 0) / steps:.2f} tok/step" if drafted else fmt.NA)
         return t
 
-    def _device(self, s: dict, c: dict, w: int) -> Text:
+    def _device(self, s: dict, c: dict, w: int, now: float | None) -> Text:
         t = Text()
         device = s.get("device") or fmt.NA
         gpu = device.startswith("cuda")
         util = s.get("device_util_pct") if gpu else s.get("cpu_util_pct")
-        if util is not None:
+        # one sample per 0.2 s of the backend's clock (a fake clock that stands still adds none)
+        if util is not None and (now is None or self._sampled_at is None or now - self._sampled_at >= 0.2):
             self.device_history.append(util)
+            self._sampled_at = now
         t.append(f"{(s.get('device_name') or device)}\n", style=f"bold {c['gpu']}")
         _row(t, "GPU util" if gpu else "CPU util", fmt.pct(util), c["gpu"])
         spark = fmt.sparkline(list(self.device_history) + [100.0], w - 13)[:-1] if self.device_history else ""
