@@ -1,0 +1,1 @@
+"""`pdchat serve`: pdchat's engine behind the OpenAI HTTP API, with Prometheus metrics."""

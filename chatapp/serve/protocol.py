@@ -1,0 +1,246 @@
+"""The OpenAI wire format: request schemas (strict: unknown fields and bad values are 400s), the
+response and chunk objects, and the error object.
+
+Only what pdchat can honour is accepted. Fields that OpenAI clients commonly send with their
+default values (n=1, penalties 0, no logprobs) are accepted at those values and refused otherwise,
+so a client never silently gets something other than what it asked for. `top_k`, `min_p` and
+`ignore_eos` are accepted as vLLM/SGLang do (load generators rely on `ignore_eos`).
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+# OpenAI's default for /v1/completions; chat completions default to "until the context is full".
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+class APIError(Exception):
+    """An error the HTTP layer turns into OpenAI's error object with this status."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    # strict: "0.5" is not a number and 1 is not a bool, as in OpenAI's own validation
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def as_engine_message(self) -> dict[str, str]:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        # "developer" is OpenAI's newer name for the system role; chat templates know "system".
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class _Sampling(_Strict):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)                  # -1 (vLLM) and 0 both mean off
+    min_p: float = Field(0.0, ge=0, lt=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v: float) -> float:
+        if v != 0:
+            raise ValueError("penalties are not supported (only 0)")
+        return v
+
+    def check(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("logprobs are not supported")
+        return v
+
+    def check(self) -> None:
+        super().check()
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise APIError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: str | list) -> str | list:
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("prompt is empty")
+            if all(isinstance(p, str) for p in v) and len(v) != 1:
+                raise ValueError("only one prompt per request is supported")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    @field_validator("logprobs", "suffix")
+    @classmethod
+    def _unsupported(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError("is not supported")
+        return v
+
+    def requested_max_tokens(self) -> int:
+        return self.max_tokens if self.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+
+    def prompt_value(self) -> str | list[int]:
+        """The text, or the token ids, to generate from."""
+        p = self.prompt
+        return p[0] if isinstance(p, list) and isinstance(p[0], str) else p
+
+
+def parse(model: type[_Sampling], raw: bytes) -> Any:
+    """Decode and validate a request body; every problem is a 400 naming the offending field."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object")
+    try:
+        request = model.model_validate(data)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    request.check()
+    return request
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    err = e.errors(include_url=False)[0]
+    param = ".".join(str(p) for p in err["loc"]) or None
+    if err["type"] == "extra_forbidden":
+        message = f"unknown field '{param}'"
+    elif err["type"] == "missing":
+        message = f"missing required field '{param}'"
+    else:
+        message = f"{param}: {err['msg'].removeprefix('Value error, ')}"
+    return APIError(400, message, param=param)
+
+
+# ---- responses ---------------------------------------------------------------------------------
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": output_tokens,
+            "total_tokens": prompt_tokens + output_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+class Shape:
+    """Builds the objects of one endpoint (chat or text completions) for one request."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat = chat
+        self.model = model
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def response(self, text: str, finish_reason: str, usage_: dict[str, Any]) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "finish_reason": finish_reason, "logprobs": None}
+            out = self._envelope("chat.completion", [choice])
+        else:
+            out = self._envelope("text_completion", [{"index": 0, "text": text, "finish_reason": finish_reason,
+                                                      "logprobs": None}])
+        out["usage"] = usage_
+        return out
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+            return self._envelope("chat.completion.chunk", [choice])
+        return self._envelope("text_completion", [{"index": 0, "text": text or "", "finish_reason": finish_reason,
+                                                   "logprobs": None}])
+
+    def usage_chunk(self, usage_: dict[str, Any]) -> dict[str, Any]:
+        out = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
+        out["usage"] = usage_
+        return out
+
+
+def sse(obj: dict[str, Any] | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
