@@ -12,7 +12,7 @@ from textual.screen import Screen
 
 from pdchat.themes import DEFAULT_THEME, THEMES, role_defaults
 
-from .backend import Backend, Settings, Toggles, UnavailableBackend
+from .backend import DEFAULT_CHUNK, Backend, Settings, Toggles, UnavailableBackend
 from .screens.chat import ChatScreen
 from .store import Store
 from .widgets.toggles import TogglesBox
@@ -164,7 +164,7 @@ class PdchatApp(App):
 
     async def flip(self, name: str) -> None:
         if name == "chunked":
-            await self.apply_toggles({"chunk_size": None if self.toggles.chunk_size else 256})
+            await self.apply_toggles({"chunk_size": None if self.toggles.chunk_size else DEFAULT_CHUNK})
         else:
             await self.apply_toggles({name: not getattr(self.toggles, name)})
 
@@ -209,9 +209,10 @@ def make_backend(options: dict, model: str | None = None) -> Backend:
     if options.get("backend"):
         return UnavailableBackend(f"remote backends ({options['backend']}) are unavailable in this version")
     from .local_backend import LocalBackend
-    toggles = {k: options[k] for k in TOGGLE_KEYS if options.get(k) is not None}
+    engine_options = {k: options[k] for k in TOGGLE_KEYS + ("spec_tokens", "draft_model") if options.get(k) is not None}
     return LocalBackend(model=model or options.get("model") or "smollm2-135m",
-                        device=options.get("device") or "auto", dtype=options.get("dtype") or "auto", **toggles)
+                        device=options.get("device") or "auto", dtype=options.get("dtype") or "auto",
+                        **engine_options)
 
 
 def run_app(options: dict) -> int:

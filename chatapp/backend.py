@@ -14,6 +14,9 @@ from typing import Any, Callable, Iterator
 
 Progress = Callable[[str], None]
 
+# The engine's CPU default (chosen with `pdchat bench toggles`); the user can change it live.
+DEFAULT_CHUNK = 64
+
 
 @dataclass
 class Settings:
@@ -39,7 +42,7 @@ class Toggles:
     """Engine-wide optimizations; applied to the next request."""
     kv_cache: bool = True
     prefix_cache: bool = True
-    chunk_size: int | None = 256      # None: chunked prefill off
+    chunk_size: int | None = DEFAULT_CHUNK   # None: chunked prefill off
     spec: str = "off"                 # off | ngram | draft
     quant: str = "none"               # none | int8
     neighbours: int = 0               # synthetic background users

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import threading
 import time
 from typing import Any, Iterator
@@ -36,39 +35,27 @@ class LocalBackend(Backend):
     name = "local"
 
     def __init__(self, model: str = "smollm2-135m", device: str = "auto", dtype: str = "auto",
-                 kv_cache: bool = True, prefix_cache: bool = True, chunk_size: int | None = 256,
-                 spec: str = "off", quant: str = "none", **extra: Any):
+                 **engine_options: Any):
         self.model = model
         self.device = device
         self.dtype = dtype
-        self.initial = {"kv_cache": kv_cache, "prefix_cache": prefix_cache, "chunk_size": chunk_size}
-        self.spec = spec
-        self.quant = quant
-        self.extra = extra
+        self.engine_options = engine_options     # EngineConfig fields (toggles, spec, quant, ...)
         self.engine = None
         self._neighbours: list[threading.Event] = []
-        self._fields: set[str] = set()
 
     def load(self, progress) -> None:
         from pdchat.engine import Engine, EngineConfig
-        self._fields = {f.name for f in dataclasses.fields(EngineConfig)}
-        kwargs: dict[str, Any] = dict(model=self.model, device=self.device, dtype=self.dtype, **self.initial)
-        if importlib.util.find_spec("pdchat.engine.telemetry") is None:
-            kwargs["telemetry"] = False          # device telemetry not built yet: values show n/a
-        for name, value, off in (("spec", self.spec, "off"), ("quant", self.quant, "none")):
-            if name in self._fields:
-                kwargs[name] = value
-            elif value != off:
-                progress(f"{name}={value} is unavailable in this engine; running without it")
-        self.engine = Engine(EngineConfig(**kwargs), say=progress)
+        fields = {f.name for f in dataclasses.fields(EngineConfig)}
+        options = {k: v for k, v in self.engine_options.items() if k in fields}
+        self.engine = Engine(EngineConfig(model=self.model, device=self.device, dtype=self.dtype, **options),
+                             say=progress)
+        for notice in self.engine.notices:
+            progress(notice)
         progress(f"{self.model} ready on {self.engine.device}")
 
     @property
     def capabilities(self) -> dict[str, bool]:
-        caps = {c: False for c in CAPABILITIES}
-        caps.update(kv_cache=True, prefix_cache=True, chunked_prefill=True, neighbours=True,
-                    spec="spec" in self._fields, quant="quant" in self._fields)
-        return caps
+        return {c: True for c in CAPABILITIES}
 
     def _engine(self):
         if self.engine is None:
@@ -90,11 +77,6 @@ class LocalBackend(Backend):
         engine = self._engine()
         if "neighbours" in toggles:
             self._set_neighbours(int(toggles.pop("neighbours")))
-        for name in ("spec", "quant"):
-            if name in toggles and name not in self._fields:
-                value = toggles.pop(name)
-                if value not in ("off", "none"):
-                    raise RuntimeError(f"{name} is unavailable in this engine")
         if toggles:
             engine.update(**toggles)
 

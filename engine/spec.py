@@ -40,7 +40,8 @@ class Proposer(Protocol):
 class NgramProposer:
     name = "ngram"
 
-    def __init__(self, max_n: int = 3, min_n: int = 1):
+    # Single-token matches are mostly coincidences in free text: they cost a verify and miss.
+    def __init__(self, max_n: int = 3, min_n: int = 2):
         self.max_n, self.min_n = max_n, min_n
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
@@ -142,7 +143,7 @@ class AdaptiveK:
     """Per-request draft length: +2 after a fully accepted draft, -1 otherwise, within [1, max_k];
     speculation stops for a request whose acceptance stays low (open-ended chat pays nothing)."""
 
-    def __init__(self, k: int, max_k: int | None = None, min_rate: float = 0.25, window: int = 24):
+    def __init__(self, k: int, max_k: int | None = None, min_rate: float = 0.3, window: int = 16):
         self.k0, self.max_k, self.min_rate, self.window = k, max_k or 2 * k, min_rate, window
 
     def next_k(self, seq: Sequence) -> int:

@@ -8,7 +8,7 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import Input, Label, Select, Switch
 
-from ..backend import Toggles
+from ..backend import DEFAULT_CHUNK, Toggles
 
 
 class TogglesBox(Vertical):
@@ -40,7 +40,7 @@ class TogglesBox(Vertical):
         with Horizontal(classes="tg-row"):
             yield Switch(t.chunk_size is not None, id="tg-chunked", disabled=not self.caps.get("chunked_prefill"))
             yield self._label("chunked prefill", "chunked_prefill")
-            yield Input(str(t.chunk_size or 256), id="tg-chunk_size", type="integer", max_length=6,
+            yield Input(str(t.chunk_size or DEFAULT_CHUNK), id="tg-chunk_size", type="integer", max_length=6,
                         disabled=not self.caps.get("chunked_prefill"))
         with Horizontal(classes="tg-row"):
             yield self._label("spec", "spec")

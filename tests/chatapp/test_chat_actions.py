@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdchat.chatapp.backend import DEFAULT_CHUNK
 from pdchat.chatapp.fake_backend import FakeBackend
 from pdchat.chatapp.store import Store
 from pdchat.chatapp.widgets.messages import MessageView
@@ -161,7 +162,7 @@ async def test_toggles_call_backend_update(make_app):
         assert app.store.messages(app.chat.conv_id)[-1].metrics["tpot_ms"] == pytest.approx(128.0)
         await pilot.click("#tg-chunked")
         await pilot.pause()
-        assert backend.updates[-1] == {"chunk_size": 256}
+        assert backend.updates[-1] == {"chunk_size": DEFAULT_CHUNK}
 
 
 async def test_unavailable_feature_is_shown_and_refused(make_app):

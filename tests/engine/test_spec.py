@@ -15,11 +15,12 @@ QUOTE = "The quick brown fox jumps over the lazy dog while the cat sleeps in the
 
 
 def test_ngram_lookup_prefers_longest_latest_match():
-    ng = NgramProposer(max_n=3)
+    ng = NgramProposer(max_n=3, min_n=1)
     tokens = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
     assert ng.lookup(tokens, 2) == [7, 8]             # the latest earlier "1 2 3" is followed by 7 8
     assert ng.lookup([4, 5, 6], 3) == []              # nothing repeats
     assert ng.lookup([5, 1, 5], 4) == [1, 5]          # falls back to a 1-gram
+    assert NgramProposer(max_n=3, min_n=2).lookup([5, 1, 5], 4) == []   # unless 1-grams are off
 
 
 # A separate draft with the target's own weights must be accepted every time: that checks the
