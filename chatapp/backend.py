@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 Progress = Callable[[str], None]
 
 # The engine's CPU default (chosen with `pdchat bench toggles`); the user can change it live.
-DEFAULT_CHUNK = 64
+DEFAULT_CHUNK = 32
 
 
 @dataclass
