@@ -182,9 +182,14 @@ class Engine:
                                      f"{self.device}; pass --draft-model")
             if self._draft_runner is None:
                 loaded = self._draft or self.loaded
-                self._draft_runner = ModelRunner(loaded.model, loaded.config, self.device, self.dtype,
-                                                 self.blocks.num_blocks, self.blocks.block_size,
-                                                 self.runner.attention_backend)
+                try:
+                    self._draft_runner = ModelRunner(loaded.model, loaded.config, self.device, self.dtype,
+                                                     self.blocks.num_blocks, self.blocks.block_size,
+                                                     self.runner.attention_backend)
+                except torch.OutOfMemoryError:
+                    # The pool was sized without a draft; at start-up it is sized for both.
+                    raise InvalidRequest("not enough memory for the draft's KV cache now; "
+                                         "start with --spec draft instead") from None
             if self._draft is None:
                 self.proposer = DraftProposer("self-draft", self._draft_runner, int8_switch=self.loaded.quant)
             else:
