@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from .config import EngineConfig
 from .errors import InvalidRequest
+from .telemetry import cpu_model_name
 
 Progress = Callable[[str, float], None]      # (what is running, fraction done 0..1)
 
@@ -28,10 +29,7 @@ def machine() -> dict[str, Any]:
     import torch
     info: dict[str, Any] = {"date": datetime.date.today().isoformat(), "platform": platform.platform(),
                             "torch": torch.__version__, "cpu_threads": torch.get_num_threads()}
-    try:
-        info["cpu"] = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        info["cpu"] = platform.processor() or None
+    info["cpu"] = cpu_model_name()
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info

@@ -121,7 +121,7 @@ def _hub_snapshot(hub_id: str, say: Say) -> Path | None:
     patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
     try:
         return Path(snapshot_download(hub_id, allow_patterns=patterns, local_files_only=True))
-    except Exception:
+    except Exception:  # not in the local Hugging Face cache (the hub raises several kinds)
         pass
     if not hub_reachable():
         return None
