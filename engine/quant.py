@@ -53,10 +53,8 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.switch.int8 and self.qweight is not None):
             return F.linear(x, self.weight, self.bias)
-        shape = x.shape
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(self.scales.dtype), self.qweight,
-                                               self.scales).to(x.dtype)
-        y = y.reshape(*shape[:-1], y.shape[-1])
+        # The engine's activations are always [tokens, features]: no reshape needed.
+        y = torch.ops.aten._weight_int8pack_mm(x.to(self.scales.dtype), self.qweight, self.scales).to(x.dtype)
         return y + self.bias if self.bias is not None else y
 
 
