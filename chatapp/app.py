@@ -8,12 +8,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from textual.app import App, SystemCommand
+from textual.binding import Binding
 from textual.screen import Screen
 
 from pdchat.themes import DEFAULT_THEME, THEMES, role_defaults
 
 from .backend import DEFAULT_CHUNK, Backend, Settings, Toggles, UnavailableBackend
 from .screens.chat import ChatScreen
+from .screens.lab import LabScreen, lab_runner
 from .store import Store
 from .widgets.toggles import TogglesBox
 
@@ -40,6 +42,7 @@ PALETTE = [  # (title, help, action on the chat screen)
 class PdchatApp(App):
     CSS_PATH = "app.tcss"
     TITLE = "pdchat"
+    BINDINGS = [Binding("f9", "lab", "Lab", id="lab")]
 
     def __init__(self, backend: Backend, store: Store, *, toggles: Toggles | None = None,
                  settings: Settings | None = None, config: dict | None = None,
@@ -168,12 +171,21 @@ class PdchatApp(App):
         else:
             await self.apply_toggles({name: not getattr(self.toggles, name)})
 
+    # ---- the inference lab ----------------------------------------------------------------------
+    def action_lab(self) -> None:
+        if isinstance(self.screen, LabScreen):
+            return
+        runner, why = lab_runner(self.backend)
+        self.push_screen(LabScreen(runner, why))
+
     # ---- command palette ------------------------------------------------------------------------
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
         chat = self.chat
         for title, help_text, action in PALETTE:
             yield SystemCommand(title, help_text, lambda a=action: chat.run_action(a))
+        yield SystemCommand("Inference lab", "Measure the explainers' claims on this machine: curves and "
+                            "verdicts (F9)", self.action_lab)
         for name, title in (("kv_cache", "KV cache"), ("prefix_cache", "Prefix cache"),
                             ("chunked", "Chunked prefill")):
             yield SystemCommand(f"Toggle {title}", f"Flip {title.lower()} for the next reply",

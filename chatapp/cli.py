@@ -80,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("model", nargs="?", default=None)
     sub.add_parser("models", help="list cached models")
     sub.add_parser("info", help="versions, device, GPU, data/config/cache paths")
-    bench = sub.add_parser("bench", parents=[shared], help="measure: toggles | baseline | spec")
-    bench.add_argument("suite", help="toggles | baseline | spec")
+    bench = sub.add_parser("bench", parents=[shared], help="measure: lab | toggles | baseline | spec | serve")
+    bench.add_argument("suite", help="lab (the claims, with curves and verdicts) | toggles | baseline | spec | serve")
     bench.add_argument("--json", action="store_true", help="print machine-readable results")
     bench.add_argument("--quick", action="store_true", help="small sizes (for a smoke test)")
     load = bench.add_argument_group("bench serve (a load test of --backend URL)")
@@ -211,6 +211,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from pdchat.chatapp.bench_report import progress_bar, render
     console = Console(stderr=args.json)         # with --json, stdout carries the JSON alone
+    if args.suite != "serve" and args.backend:
+        console.print(f"pdchat bench {args.suite} measures the local engine; it is not available with a remote "
+                      f"backend ({args.backend}). Use `pdchat bench serve --backend URL` to load a server.",
+                      soft_wrap=True)
+        return 2
     bar, update = progress_bar(console)
     with bar:
         if args.suite == "serve":            # a client: loads a server, needs no local engine
@@ -221,6 +226,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             result = run_suite(args.suite, engine_config(args), quick=args.quick, progress=update)
     if args.json:
         print(json.dumps(result, indent=2))
+        if "files" in result:
+            console.print(f"lab results written to {result['files']['dir']}", soft_wrap=True)
+    elif args.suite == "lab":
+        from pdchat.chatapp.lab_report import render_lab
+        render_lab(result, console)
     else:
         render(result, console)
     return 0

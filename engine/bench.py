@@ -51,8 +51,9 @@ def filler_text(n_words: int, seed: int = 0) -> str:
 
 def run_suite(name: str, config: EngineConfig, *, quick: bool = False,
               progress: Progress | None = None) -> dict[str, Any]:
-    from . import bench_baseline, bench_spec, bench_toggles
-    suites = {"toggles": bench_toggles.run, "baseline": bench_baseline.run, "spec": bench_spec.run}
+    from . import bench_baseline, bench_lab, bench_spec, bench_toggles
+    suites = {"toggles": bench_toggles.run, "baseline": bench_baseline.run, "spec": bench_spec.run,
+              "lab": bench_lab.run}
     if name not in suites:
         raise InvalidRequest(f"unknown bench suite {name!r}; available: {', '.join(suites)}")
     result = suites[name](config, quick=quick, progress=progress or (lambda what, frac: None))

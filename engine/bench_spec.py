@@ -34,28 +34,8 @@ def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, A
     max_tokens = 48 if quick else 160
     engine = Engine(replace(config, telemetry=False, prefix_cache=False, spec="off"), say=lambda m: None)
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0)
-        rows = []
         workloads = {"grounded": GROUNDED[:1] if quick else GROUNDED, "open-ended": OPEN_ENDED[:1] if quick else OPEN_ENDED}
-        steps = len(workloads) * (1 + len(METHODS))
-        done = 0
-        for name, prompts in workloads.items():
-            engine.update(spec="off")
-            base = _decode_rate(engine, prompts, params)
-            done += 1
-            for method, draft in METHODS:
-                progress(f"{name}: {method}", done / steps)
-                try:
-                    engine.update(spec=method)
-                except InvalidRequest as e:          # e.g. no int8 kernel for self-draft here
-                    rows.append({"workload": name, "method": method, "error": str(e)})
-                    continue
-                rate, accept, mean_len = _decode_rate(engine, prompts, params, spec=True)
-                rows.append({"workload": name, "method": "self-draft (int8)" if method == "draft" else method,
-                             "tok_s_off": base[0], "tok_s_on": rate, "speedup": ratio(rate, base[0]),
-                             "acceptance": accept, "accepted_per_step": mean_len})
-                done += 1
-        engine.update(spec="off")
+        rows = measure(engine, workloads, max_tokens, progress)
         progress("done", 1.0)
         goals = {"ngram grounded": ">= 2.0x", "ngram open-ended": ">= 0.95x",
                  "self-draft grounded": ">= 1.5x", "self-draft open-ended": ">= 1.5x"}
@@ -65,6 +45,32 @@ def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, A
                 "speculative_decoding": {"rows": rows, **goals}}
     finally:
         engine.close()
+
+
+def measure(engine: Engine, workloads: dict[str, list[str]], max_tokens: int, progress: Progress) -> list[dict[str, Any]]:
+    """Per workload: decode tok/s with speculation off, then with each method (greedy, batch 1)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    rows = []
+    steps = len(workloads) * (1 + len(METHODS))
+    done = 0
+    for name, prompts in workloads.items():
+        engine.update(spec="off")
+        base = _decode_rate(engine, prompts, params)
+        done += 1
+        for method, draft in METHODS:
+            progress(f"{name}: {method}", done / steps)
+            try:
+                engine.update(spec=method)
+            except InvalidRequest as e:          # e.g. no int8 kernel for self-draft here
+                rows.append({"workload": name, "method": method, "error": str(e)})
+                continue
+            rate, accept, mean_len = _decode_rate(engine, prompts, params, spec=True)
+            rows.append({"workload": name, "method": "self-draft (int8)" if method == "draft" else method,
+                         "tok_s_off": base[0], "tok_s_on": rate, "speedup": ratio(rate, base[0]),
+                         "acceptance": accept, "accepted_per_step": mean_len})
+            done += 1
+    engine.update(spec="off")
+    return rows
 
 
 def _decode_rate(engine: Engine, prompts: list[str], params: SamplingParams, spec: bool = False):

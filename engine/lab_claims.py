@@ -1,0 +1,197 @@
+"""Verdicts for the inference lab: pure arithmetic on measured numbers (fits, ratios, thresholds).
+
+Every check returns a Verdict dict — the claim in words, "confirmed" / "not confirmed" /
+"not available", the numbers behind it and the rule applied — so a reader can redo the
+arithmetic, and tests can feed synthetic numbers without running a model.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+CONFIRMED, NOT_CONFIRMED, UNAVAILABLE = "confirmed", "not confirmed", "not available"
+
+Verdict = dict[str, Any]
+
+
+def verdict(claim_id: str, claim: str, ok: bool | None, rule: str, **numbers: Any) -> Verdict:
+    status = UNAVAILABLE if ok is None else CONFIRMED if ok else NOT_CONFIRMED
+    return {"id": claim_id, "claim": claim, "verdict": status, "rule": rule, "numbers": numbers}
+
+
+def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
+    """Least squares y = slope * x + intercept; returns (slope, intercept, R²)."""
+    n = len(xs)
+    if n < 2 or n != len(ys):
+        raise ValueError("a fit needs at least two (x, y) pairs")
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        raise ValueError("a fit needs at least two distinct x values")
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    intercept = my - slope * mx
+    ss_tot = sum((y - my) ** 2 for y in ys)
+    ss_res = sum((y - (slope * x + intercept)) ** 2 for x, y in zip(xs, ys))
+    r2 = 1.0 - ss_res / ss_tot if ss_tot else 1.0
+    return slope, intercept, r2
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):                       # ties share their mean rank
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2
+        i = j + 1
+    return ranks
+
+
+def pearson(xs: list[float], ys: list[float]) -> float | None:
+    n = len(xs)
+    if n < 2:
+        return None
+    mx, my = sum(xs) / n, sum(ys) / n
+    sx = math.sqrt(sum((x - mx) ** 2 for x in xs))
+    sy = math.sqrt(sum((y - my) ** 2 for y in ys))
+    if not sx or not sy:
+        return None
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / (sx * sy)
+
+
+def spearman(xs: list[float], ys: list[float]) -> float | None:
+    """Rank correlation: +1 when y rises with x all the way, -1 when it always falls."""
+    return pearson(_ranks(xs), _ranks(ys))
+
+
+# ---- the claims ------------------------------------------------------------------------------
+R2_LINEAR = 0.95
+
+
+def prefill_linear(lengths: list[int], prefill_ms: list[float]) -> Verdict:
+    slope, intercept, r2 = linear_fit([float(x) for x in lengths], prefill_ms)
+    return verdict("prefill_linear", "Prefill time grows about linearly with prompt length",
+                   r2 >= R2_LINEAR and slope > 0, f"least-squares line, R² >= {R2_LINEAR} and slope > 0",
+                   ms_per_token=slope, intercept_ms=intercept, r2=r2, points=len(lengths),
+                   tokens_per_s=1000 / slope if slope > 0 else None)
+
+
+# "Slowly": at most +50% over the range; a fall beyond 10% would mean noise swamped the curve.
+DECODE_GROWTH_RANGE = (-0.1, 0.5)
+
+
+def decode_slow_growth(positions: list[int], tpot_ms: list[float]) -> Verdict:
+    """Per-token decode time over a long generation: rises with position, but slowly."""
+    slope, intercept, r2 = linear_fit([float(p) for p in positions], tpot_ms)
+    start, end = min(positions), max(positions)
+    at_start, at_end = slope * start + intercept, slope * end + intercept
+    growth = (at_end - at_start) / at_start if at_start > 0 else None
+    lo, hi = DECODE_GROWTH_RANGE
+    ok = growth is not None and lo <= growth <= hi
+    return verdict("decode_slow_growth", "Decode time per token grows slowly with position", ok,
+                   f"fitted change from first to last position between {lo:+.0%} and {hi:+.0%}",
+                   ms_per_1000_positions=slope * 1000, tpot_at_start_ms=at_start, tpot_at_end_ms=at_end,
+                   growth=growth, first_position=start, last_position=end, r2=r2)
+
+
+PREFILL_DECODE_RANGE = (5.0, 10.0)
+
+
+def prefill_vs_decode(prefill_1000_ms: float, tpot_ms: float) -> Verdict:
+    """How many decode tokens a 1,000-token prefill costs; the explainers say 5-10."""
+    tokens = prefill_1000_ms / tpot_ms
+    lo, hi = PREFILL_DECODE_RANGE
+    return verdict("prefill_vs_decode", "A 1,000-token prompt prefills in the time of 5-10 decode tokens",
+                   lo <= tokens <= hi, f"{lo:g} <= prefill(1000) / TPOT <= {hi:g}",
+                   prefill_1000_ms=prefill_1000_ms, tpot_ms=tpot_ms, decode_tokens_equivalent=tokens)
+
+
+INT8_EDGE = 1.25
+
+
+def int8_memory_bound(decode_speedup: float | None, prefill_speedup: float | None, reason: str = "") -> Verdict:
+    """Memory-bound decode gains from 4x fewer weight bytes; compute-bound prefill barely does."""
+    claim = "Decode is memory-bound: int8 weights speed decode much more than prefill"
+    rule = f"int8 decode speed-up > 1 and >= {INT8_EDGE}x the prefill speed-up"
+    if decode_speedup is None or prefill_speedup is None:
+        return verdict("int8_memory_bound", claim, None, rule, reason=reason or "int8 unavailable here")
+    edge = decode_speedup / prefill_speedup
+    return verdict("int8_memory_bound", claim, decode_speedup > 1 and edge >= INT8_EDGE, rule,
+                   decode_speedup=decode_speedup, prefill_speedup=prefill_speedup, decode_edge=edge)
+
+
+def kv_bytes(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, *, engine_bytes_per_token: int,
+             tensor_bytes_per_slot: float, blocks_used: int, block_size: int, bytes_used: int,
+             tokens_held: int) -> Verdict:
+    """2 x layers x kv_heads x head_dim x bytes, against the engine's figure, the cache tensors'
+    real size per slot, and the pool's usage while a request holds `tokens_held` tokens."""
+    formula = 2 * layers * kv_heads * head_dim * dtype_bytes
+    blocks_needed = -(-tokens_held // block_size)
+    ok = (engine_bytes_per_token == formula and tensor_bytes_per_slot == formula
+          and bytes_used == blocks_used * block_size * formula
+          and blocks_needed <= blocks_used <= blocks_needed + 1)   # +1: the slot for the next token
+    return verdict("kv_bytes", "KV bytes per token = 2 x layers x kv_heads x head_dim x bytes", ok,
+                   "formula == engine figure == cache tensors per slot; used bytes == blocks x block size x "
+                   "formula; blocks used == ceil(tokens / block size) (+1 for the next token)",
+                   layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes,
+                   formula_bytes_per_token=formula, engine_bytes_per_token=engine_bytes_per_token,
+                   tensor_bytes_per_slot=tensor_bytes_per_slot, tokens_held=tokens_held,
+                   blocks_used=blocks_used, blocks_needed=blocks_needed, block_size=block_size,
+                   bytes_used=bytes_used)
+
+
+PREFIX_MAX_RATIO = 0.25
+
+
+def prefix_cache(ttft_on_ms: float, ttft_off_ms: float, prompt_tokens: int, cached_prompt_tokens: int) -> Verdict:
+    r = ttft_on_ms / ttft_off_ms
+    return verdict("prefix_cache", "Prefix caching removes the prefill of a repeated prefix",
+                   r <= PREFIX_MAX_RATIO and cached_prompt_tokens > 0,
+                   f"TTFT with cache / without <= {PREFIX_MAX_RATIO}",
+                   ttft_on_ms=ttft_on_ms, ttft_off_ms=ttft_off_ms, ttft_ratio=r, prompt_tokens=prompt_tokens,
+                   cached_prompt_tokens=cached_prompt_tokens, cached_fraction=cached_prompt_tokens / prompt_tokens)
+
+
+BATCH_MIN_GAIN = 2.0
+
+
+def batching(sizes: list[int], tok_s: list[float], tpot_ms: list[float]) -> Verdict:
+    """Aggregate throughput rises with the batch while each user's TPOT rises too."""
+    gain = tok_s[-1] / tok_s[0]
+    tpot_rise = tpot_ms[-1] / tpot_ms[0]
+    trend = spearman([float(s) for s in sizes], tok_s)
+    return verdict("batching", "Batching raises aggregate throughput while per-user TPOT rises",
+                   gain >= BATCH_MIN_GAIN and tpot_rise > 1 and (trend or 0) > 0,
+                   f"throughput at the largest batch >= {BATCH_MIN_GAIN}x batch {sizes[0]}, rank correlation "
+                   f"with batch size > 0, and TPOT higher at the largest batch",
+                   largest_batch=sizes[-1], throughput_gain=gain, tpot_rise=tpot_rise, throughput_trend=trend)
+
+
+def chunked_prefill(chunks: list[int], newcomer_ttft_ms: list[float], stall_over_tpot: list[float]) -> Verdict:
+    """Smaller chunks: the newcomer waits longer, the running stream stalls less.
+
+    `chunks` gives "off" as the newcomer's prompt length (one step holds the whole prompt)."""
+    ttft_trend = spearman([float(c) for c in chunks], newcomer_ttft_ms)
+    stall_trend = spearman([float(c) for c in chunks], stall_over_tpot)
+    ok = ttft_trend is not None and stall_trend is not None and ttft_trend < 0 and stall_trend > 0
+    return verdict("chunked_prefill", "Chunked prefill trades the newcomer's TTFT for smoother TPOT of others", ok,
+                   "as chunks grow: newcomer TTFT falls (rank correlation < 0) and the others' worst stall / "
+                   "TPOT rises (> 0)",
+                   ttft_trend=ttft_trend, stall_trend=stall_trend,
+                   smallest_chunk_stall=stall_over_tpot[0], largest_chunk_stall=stall_over_tpot[-1],
+                   smallest_chunk_ttft_ms=newcomer_ttft_ms[0], largest_chunk_ttft_ms=newcomer_ttft_ms[-1])
+
+
+def spec_vs_acceptance(acceptance: list[float], speedup: list[float]) -> Verdict:
+    """Speculative decoding pays in proportion to how many drafted tokens the target accepts."""
+    claim = "Speculative decoding's speed-up grows with the acceptance rate"
+    rule = "rank correlation of speed-up with acceptance > 0 over the measured points, best speed-up > 1"
+    if len(acceptance) < 2:
+        return verdict("spec", claim, None, rule, reason="fewer than two measured points")
+    trend = spearman(acceptance, speedup)
+    best = max(speedup)
+    return verdict("spec", claim, (trend or 0) > 0 and best > 1, rule,
+                   trend=trend, best_speedup=best, points=len(acceptance))

@@ -1,0 +1,98 @@
+"""The Lab screen with a scripted lab result: no real run, no model."""
+from __future__ import annotations
+
+import io
+import threading
+
+import pytest
+from rich.console import Console
+from textual.widgets import Static
+
+from pdchat.chatapp.screens.lab import LabScreen
+from pdchat.engine import lab_files
+
+from .helpers import wait_for
+
+pytestmark = pytest.mark.anyio
+
+RESULT = {
+    "suite": "lab", "model": "scripted", "device": "cpu", "dtype": "float32", "machine": {"date": "2026-11-22"},
+    "claims": [
+        {"id": "prefill_linear", "claim": "Prefill time grows about linearly with prompt length",
+         "verdict": "confirmed", "rule": "R² >= 0.95", "numbers": {"r2": 0.998}},
+        {"id": "prefill_vs_decode", "claim": "A 1,000-token prompt prefills in the time of 5-10 decode tokens",
+         "verdict": "not confirmed", "rule": "5 <= ratio <= 10", "numbers": {"decode_tokens_equivalent": 29.5}},
+    ],
+    "curves": [{"id": "prefill", "title": "Prefill time vs prompt length", "x_label": "prompt tokens",
+                "y_label": "ms", "x": [16, 256, 1024], "y": [40.0, 560.0, 2200.0], "role": "prefill",
+                "kind": "line"}],
+}
+
+
+def screen_text(app) -> str:
+    """What the screen's three parts show, as plain text (Rich tables rendered at 140 columns)."""
+    console = Console(width=140, record=True, file=io.StringIO())
+    for part in ("status", "verdicts", "curves"):
+        console.print(app.screen.query_one(f"#lab-{part}", Static).content)
+    return console.export_text()
+
+
+async def test_f9_opens_the_lab_and_says_why_it_cannot_run_here(make_app):
+    app = make_app()                                   # the FakeBackend is not a local engine
+    async with app.run_test(size=(140, 44)) as pilot:
+        await pilot.press("f9")
+        await wait_for(pilot, lambda: isinstance(app.screen, LabScreen))
+        assert "not available with this backend" in screen_text(app)
+        await pilot.press("r")
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not isinstance(app.screen, LabScreen))
+
+
+async def test_run_shows_progress_then_verdicts_and_curves(make_app):
+    app = make_app()
+    release = threading.Event()
+    fractions = []
+
+    def runner(progress):
+        progress("prefill sweep", 0.25)
+        release.wait(5)
+        fractions.append(0.25)
+        return RESULT
+
+    async with app.run_test(size=(140, 44)) as pilot:
+        await app.push_screen(LabScreen(runner, load_last=lambda: None))
+        assert "No lab run yet" in screen_text(app)
+        await pilot.press("r")
+        bar = app.screen.query_one("#lab-progress")
+        await wait_for(pilot, lambda: bar.progress == 0.25 and bar.display)
+        assert "running: prefill sweep" in screen_text(app)
+        release.set()
+        await wait_for(pilot, lambda: not app.screen.running)
+        text = screen_text(app)
+        assert "confirmed" in text and "not confirmed" in text and "29.5" in text
+        assert "Prefill time vs prompt length (ms)" in text and "2.2k" in text
+        assert not bar.display and fractions == [0.25]
+
+
+async def test_a_failed_run_is_reported_not_fatal(make_app):
+    app = make_app()
+
+    def runner(progress):
+        raise RuntimeError("out of memory")
+
+    async with app.run_test(size=(140, 44)) as pilot:
+        await app.push_screen(LabScreen(runner, load_last=lambda: None))
+        await pilot.press("r")
+        await wait_for(pilot, lambda: not app.screen.running)
+        assert "lab failed" in screen_text(app) and "out of memory" in screen_text(app)
+
+
+async def test_opens_on_the_last_saved_run(make_app):
+    files = lab_files.save(RESULT)
+    app = make_app()
+    async with app.run_test(size=(140, 44)) as pilot:
+        await app.push_screen(LabScreen(None, "remote backend"))
+        await pilot.pause()
+        text = screen_text(app)
+        assert "scripted on cpu" in text and files["dir"] in text and "remote backend" in text
+        assert "Prefill time grows about linearly" in text

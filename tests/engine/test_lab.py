@@ -1,0 +1,211 @@
+"""The inference lab: the verdict arithmetic on synthetic numbers, and one tiny run of every
+experiment on random:tiny that checks structure and consistency (never timings)."""
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from pdchat.engine import EngineConfig, lab_claims as lc
+from pdchat.engine import bench_lab, lab_files
+from pdchat.engine.bench import median, run_suite
+from pdchat.engine.plot import nice_ticks, svg
+
+CLAIM_IDS = ["prefill_linear", "decode_slow_growth", "prefill_vs_decode", "int8_memory_bound", "kv_bytes",
+             "prefix_cache", "batching", "chunked_prefill", "spec"]
+
+
+@pytest.fixture(autouse=True)
+def _data_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDCHAT_DATA_DIR", str(tmp_path / "data"))
+
+
+# ---- fits and correlations ---------------------------------------------------------------------
+def test_linear_fit_recovers_an_exact_line():
+    slope, intercept, r2 = lc.linear_fit([1, 2, 3, 4], [5, 7, 9, 11])
+    assert (slope, intercept, r2) == pytest.approx((2, 3, 1))
+
+
+def test_linear_fit_r2_by_hand():
+    # y = [1, 3, 2]: slope 0.5, intercept 1.5, residuals -0.5, 1, -0.5 -> ss_res 1.5, ss_tot 2
+    slope, intercept, r2 = lc.linear_fit([0, 1, 2], [1, 3, 2])
+    assert (slope, intercept, r2) == pytest.approx((0.5, 1.5, 0.25))
+
+
+def test_linear_fit_needs_two_distinct_x():
+    with pytest.raises(ValueError):
+        lc.linear_fit([1, 1], [2, 3])
+
+
+def test_spearman_is_about_order_not_shape():
+    assert lc.spearman([1, 2, 3, 4], [1, 10, 100, 1000]) == pytest.approx(1)
+    assert lc.spearman([1, 2, 3], [9, 5, 1]) == pytest.approx(-1)
+    assert lc.spearman([1, 2, 3], [4, 4, 4]) is None
+    assert lc.spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
+
+
+# ---- the claims on synthetic numbers ---------------------------------------------------------------
+def test_prefill_linear():
+    v = lc.prefill_linear([100, 200, 400], [21, 41, 81])
+    assert v["verdict"] == lc.CONFIRMED
+    assert v["numbers"]["ms_per_token"] == pytest.approx(0.2)
+    assert v["numbers"]["tokens_per_s"] == pytest.approx(5000)
+    quadratic = lc.prefill_linear([1, 2, 3, 4, 5, 6], [1, 4, 9, 16, 25, 1000])
+    assert quadratic["verdict"] == lc.NOT_CONFIRMED
+
+
+def test_decode_slow_growth_thresholds():
+    slow = lc.decode_slow_growth([100, 500], [10.0, 11.0])
+    assert slow["verdict"] == lc.CONFIRMED and slow["numbers"]["growth"] == pytest.approx(0.1)
+    assert slow["numbers"]["ms_per_1000_positions"] == pytest.approx(2.5)
+    assert lc.decode_slow_growth([100, 500], [10.0, 16.0])["verdict"] == lc.NOT_CONFIRMED
+    assert lc.decode_slow_growth([100, 500], [10.0, 8.0])["verdict"] == lc.NOT_CONFIRMED
+
+
+def test_prefill_vs_decode_ratio():
+    v = lc.prefill_vs_decode(700.0, 100.0)
+    assert v["numbers"]["decode_tokens_equivalent"] == pytest.approx(7)
+    assert v["verdict"] == lc.CONFIRMED
+    assert lc.prefill_vs_decode(2000.0, 70.0)["verdict"] == lc.NOT_CONFIRMED
+
+
+def test_int8_memory_bound():
+    v = lc.int8_memory_bound(1.9, 1.1)
+    assert v["verdict"] == lc.CONFIRMED and v["numbers"]["decode_edge"] == pytest.approx(1.9 / 1.1)
+    assert lc.int8_memory_bound(1.3, 1.2)["verdict"] == lc.NOT_CONFIRMED
+    assert lc.int8_memory_bound(None, None, "no kernel")["verdict"] == lc.UNAVAILABLE
+
+
+def test_kv_bytes_formula_and_pool():
+    ok = dict(engine_bytes_per_token=46080, tensor_bytes_per_slot=46080.0, blocks_used=7, block_size=16,
+              bytes_used=7 * 16 * 46080, tokens_held=100)
+    v = lc.kv_bytes(30, 3, 64, 4, **ok)
+    assert v["numbers"]["formula_bytes_per_token"] == 46080 and v["numbers"]["blocks_needed"] == 7
+    assert v["verdict"] == lc.CONFIRMED
+    assert lc.kv_bytes(30, 3, 64, 2, **ok)["verdict"] == lc.NOT_CONFIRMED          # bf16 formula differs
+    assert lc.kv_bytes(30, 3, 64, 4, **{**ok, "blocks_used": 9, "bytes_used": 9 * 16 * 46080})["verdict"] \
+        == lc.NOT_CONFIRMED                                                          # more blocks than needed
+
+
+def test_prefix_cache_ratio():
+    v = lc.prefix_cache(100.0, 1000.0, 1000, 960)
+    assert v["numbers"]["ttft_ratio"] == pytest.approx(0.1) and v["numbers"]["cached_fraction"] == 0.96
+    assert v["verdict"] == lc.CONFIRMED
+    assert lc.prefix_cache(500.0, 1000.0, 1000, 960)["verdict"] == lc.NOT_CONFIRMED
+    assert lc.prefix_cache(100.0, 1000.0, 1000, 0)["verdict"] == lc.NOT_CONFIRMED
+
+
+def test_batching_needs_more_throughput_and_higher_tpot():
+    v = lc.batching([1, 4, 16], [10.0, 35.0, 90.0], [70.0, 80.0, 150.0])
+    assert v["verdict"] == lc.CONFIRMED
+    assert v["numbers"]["throughput_gain"] == pytest.approx(9) and v["numbers"]["tpot_rise"] == pytest.approx(150 / 70)
+    assert lc.batching([1, 4, 16], [10.0, 12.0, 15.0], [70.0, 80.0, 150.0])["verdict"] == lc.NOT_CONFIRMED
+
+
+def test_chunked_prefill_trade_off_directions():
+    v = lc.chunked_prefill([32, 64, 128, 1700], [10000, 8000, 6000, 3000], [3.7, 6.0, 9.0, 50.0])
+    assert v["verdict"] == lc.CONFIRMED
+    assert v["numbers"]["ttft_trend"] == pytest.approx(-1) and v["numbers"]["stall_trend"] == pytest.approx(1)
+    assert lc.chunked_prefill([32, 64, 128], [3000, 6000, 9000], [3.7, 6.0, 9.0])["verdict"] == lc.NOT_CONFIRMED
+
+
+def test_spec_speedup_follows_acceptance():
+    assert lc.spec_vs_acceptance([0.16, 0.64, 0.83, 0.98], [1.5, 1.3, 1.1, 0.9])["verdict"] == lc.NOT_CONFIRMED
+    v = lc.spec_vs_acceptance([0.1, 0.5, 0.9], [0.9, 1.4, 2.5])
+    assert v["verdict"] == lc.CONFIRMED and v["numbers"]["best_speedup"] == 2.5
+    assert lc.spec_vs_acceptance([0.5], [1.4])["verdict"] == lc.UNAVAILABLE
+
+
+# ---- plot and files ---------------------------------------------------------------------------------
+def test_nice_ticks_cover_the_range_with_round_steps():
+    ticks = nice_ticks(0, 4096)
+    assert ticks == [0, 1000, 2000, 3000, 4000, 5000]
+    assert nice_ticks(0, 0.37) == pytest.approx([0, 0.1, 0.2, 0.3, 0.4])
+
+
+def _curve(cid: str, kind: str = "line") -> dict:
+    return {"id": cid, "title": f"{cid} <t>", "x_label": "x", "y_label": "ms", "x": [1, 2, 4], "y": [2.0, 4.0, 8.0],
+            "role": "prefill", "kind": kind, "fit": {"slope": 2.0, "intercept": 0.0}}
+
+
+def test_svg_has_one_panel_per_curve_and_escapes_text():
+    doc = svg([_curve("a"), _curve("b", "scatter")], title="lab", subtitle="m & d")
+    assert doc.startswith("<svg") and doc.rstrip().endswith("</svg>")
+    assert doc.count('class="card"') == 2 and doc.count("<polyline") == 1     # the scatter has no line
+    assert "a &lt;t&gt;" in doc and "m &amp; d" in doc
+
+
+def test_save_and_last_run_round_trip():
+    result = {"suite": "lab", "model": "m", "curves": [_curve("prefill")], "claims": [], "machine": {"date": "d"}}
+    files = lab_files.save(result)
+    with open(files["csv"], encoding="utf-8") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["curve", "x_label", "x", "y_label", "y"] and len(rows) == 4
+    assert rows[3] == ["prefill", "x", "4", "ms", "8.0"]
+    last = lab_files.last_run()
+    assert last["model"] == "m" and last["files"] == files
+
+
+# ---- one tiny run of every experiment -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    import os
+    os.environ["PDCHAT_DATA_DIR"] = str(tmp_path_factory.mktemp("lab-data"))
+    try:
+        steps = []
+        result = run_suite("lab", EngineConfig(model="random:tiny"), quick=True,
+                           progress=lambda what, frac: steps.append(frac))
+    finally:
+        del os.environ["PDCHAT_DATA_DIR"]
+    return result, steps
+
+
+def test_tiny_run_structure(tiny_run):
+    result, steps = tiny_run
+    assert result["suite"] == "lab" and result["inputs"] == bench_lab.SIZES["quick"]
+    assert [c["id"] for c in result["claims"]] == CLAIM_IDS
+    assert {c["verdict"] for c in result["claims"]} <= {lc.CONFIRMED, lc.NOT_CONFIRMED, lc.UNAVAILABLE}
+    assert steps == sorted(steps) and steps[-1] == 1.0
+    for c in result["curves"]:
+        assert len(c["x"]) == len(c["y"]) > 0
+    for path in ("json", "csv", "svg"):
+        with open(result["files"][path], encoding="utf-8") as f:
+            assert f.read()
+    json.dumps(result)                         # machine-readable as it stands
+
+
+def test_tiny_run_numbers_are_consistent(tiny_run):
+    result, _ = tiny_run
+    exp = result["experiments"]
+    pre = exp["prefill"]
+    assert pre["lengths"] == bench_lab.SIZES["quick"]["lengths"]
+    assert pre["prefill_ms"] == [median(r) for r in pre["raw_ms"]]
+    assert all(len(r) == bench_lab.SIZES["quick"]["repeats"] for r in pre["raw_ms"])
+    claims = {c["id"]: c for c in result["claims"]}
+    assert claims == {c["id"]: c for c in bench_lab.claims(exp)}      # verdicts follow from the numbers
+    dec = exp["decode"]
+    assert len(dec["itl_ms"]) == bench_lab.SIZES["quick"]["decode_tokens"]
+    assert len(dec["positions"]) == len(dec["itl_ms"]) // dec["bin"]
+    # The KV arithmetic is exact, whatever the machine.
+    assert claims["kv_bytes"]["verdict"] == lc.CONFIRMED
+    assert claims["kv_bytes"]["numbers"]["formula_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
+    assert [r["batch"] for r in exp["batching"]["rows"]] == bench_lab.SIZES["quick"]["batch_sizes"]
+    assert [r["chunk_size"] for r in exp["chunked_prefill"]["rows"]] == bench_lab.SIZES["quick"]["chunks"]
+    assert exp["prefix_cache"]["cached_prompt_tokens"] > 0
+
+
+def test_cli_json_prints_only_the_result(capsys, tmp_path):
+    from pdchat.chatapp.cli import main
+    code = main(["bench", "lab", "--quick", "--json", "--model", "random:tiny"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    result = json.loads(out)
+    assert [c["id"] for c in result["claims"]] == CLAIM_IDS
+    assert result["files"]["dir"] in err
+
+
+def test_cli_refuses_a_remote_backend(capsys):
+    from pdchat.chatapp.cli import main
+    assert main(["bench", "lab", "--backend", "http://127.0.0.1:9"]) == 2
+    assert "not available with a remote backend" in capsys.readouterr().out
