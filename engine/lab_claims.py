@@ -36,6 +36,13 @@ def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
     return slope, intercept, r2
 
 
+def interpolate(xs: list[float], ys: list[float], x: float) -> float:
+    """y at x on the measured polyline (xs ascending); the end segments extend beyond the range."""
+    i = next((k for k in range(1, len(xs) - 1) if xs[k] >= x), len(xs) - 1)
+    (x0, y0), (x1, y1) = (xs[i - 1], ys[i - 1]), (xs[i], ys[i])
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
 def _ranks(values: list[float]) -> list[float]:
     order = sorted(range(len(values)), key=values.__getitem__)
     ranks = [0.0] * len(values)

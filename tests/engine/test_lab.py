@@ -38,6 +38,14 @@ def test_linear_fit_needs_two_distinct_x():
         lc.linear_fit([1, 1], [2, 3])
 
 
+def test_interpolate_reads_the_polyline():
+    xs, ys = [16.0, 512.0, 1024.0, 2048.0], [100.0, 1000.0, 2800.0, 6000.0]
+    assert lc.interpolate(xs, ys, 1000.0) == pytest.approx(1000 + 1800 * 488 / 512)
+    assert lc.interpolate(xs, ys, 512.0) == 1000.0
+    assert lc.interpolate(xs, ys, 4096.0) == pytest.approx(6000 + 3200 * 2)      # extends the last segment
+    assert lc.interpolate([1.0, 2.0], [1.0, 3.0], 0.0) == pytest.approx(-1.0)
+
+
 def test_spearman_is_about_order_not_shape():
     assert lc.spearman([1, 2, 3, 4], [1, 10, 100, 1000]) == pytest.approx(1)
     assert lc.spearman([1, 2, 3], [9, 5, 1]) == pytest.approx(-1)
