@@ -134,6 +134,7 @@ def report(spec: LoadSpec, model: str, results: list[Reply | str], duration: flo
     itl = [gap for r in ok for gap in r.itl_ms]
     e2e = [r.e2e_ms for r in ok if r.e2e_ms is not None]
     input_tokens = sum((r.usage or {}).get("prompt_tokens") or 0 for r in ok)
+    cached = [((r.usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") for r in ok]
     output_tokens = sum(r.output_tokens for r in ok)
     rows = [{"metric": name, **_stats(values)} for name, values in
             (("TTFT", ttft), ("TPOT", tpot), ("ITL", itl), ("E2E", e2e))]
@@ -146,7 +147,10 @@ def report(spec: LoadSpec, model: str, results: list[Reply | str], duration: flo
                   "temperature": spec.temperature, "ignore_eos": spec.ignore_eos},
         "summary": {"successful_requests": len(ok), "failed_requests": len(errors),
                     "first_error": errors[0] if errors else None, "duration_s": duration,
-                    "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
+                    "total_input_tokens": input_tokens,
+                    # prefix-cache hits, when the server reports them (usage.prompt_tokens_details)
+                    "cached_input_tokens": None if None in cached else sum(cached),
+                    "total_output_tokens": output_tokens,
                     "request_throughput_req_s": len(ok) / duration,
                     "output_throughput_tok_s": output_tokens / duration,
                     "total_token_throughput_tok_s": (input_tokens + output_tokens) / duration},

@@ -33,6 +33,7 @@ def test_report_uses_vllm_definitions():
     s = result["summary"]
     assert (s["successful_requests"], s["failed_requests"], s["first_error"]) == (2, 1, "HTTP 500: boom")
     assert (s["total_input_tokens"], s["total_output_tokens"]) == (20, 5)
+    assert s["cached_input_tokens"] is None              # the server did not say
     assert s["request_throughput_req_s"] == 1.0 and s["output_throughput_tok_s"] == 2.5
     assert s["total_token_throughput_tok_s"] == 12.5
     rows = {r["metric"]: r for r in result["latency_ms"]["rows"]}
@@ -97,6 +98,7 @@ def test_bench_serve_against_pdchat_serve(pdchat_serve, capsys, monkeypatch):
     s = result["summary"]
     assert (s["successful_requests"], s["failed_requests"]) == (12, 0)
     assert s["total_output_tokens"] == 12 * 8 and s["total_input_tokens"] > 12 * 16
+    assert 0 <= s["cached_input_tokens"] < s["total_input_tokens"]
     assert all(r["mean"] is not None and r["p50"] <= r["p90"] <= r["p99"] for r in result["latency_ms"]["rows"])
     assert result["setup"]["server"] == "pdchat" and result["model"] == "random:tiny"
     assert result["server_after"]["kv_blocks_used"] == 0 and result["server_after"]["running"] == 0
