@@ -42,7 +42,7 @@ PALETTE = [  # (title, help, action on the chat screen)
 class PdchatApp(App):
     CSS_PATH = "app.tcss"
     TITLE = "pdchat"
-    BINDINGS = [Binding("f9", "lab", "Lab", id="lab")]
+    BINDINGS = [Binding("f9", "lab", "Lab", id="lab", show=False)]
 
     def __init__(self, backend: Backend, store: Store, *, toggles: Toggles | None = None,
                  settings: Settings | None = None, config: dict | None = None,
