@@ -136,8 +136,11 @@ def _int8(engine: Engine, sizes: dict[str, Any], progress: Progress) -> dict[str
 def _kv_bytes(engine: Engine, sizes: dict[str, Any], progress: Progress) -> dict[str, Any]:
     progress("filling the pool", 0.0)
     mc, runner = engine.model_config, engine.runner
-    stream = engine.submit(_prompt_ids(engine, sizes["kv_prompt"], seed=3),
-                           SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
+    ids = _prompt_ids(engine, sizes["kv_prompt"], seed=3)
+    # As long as the context allows, so it is still running when we look (tiny models are fast);
+    # it is cancelled as soon as it has been observed.
+    stream = engine.submit(ids, SamplingParams(max_tokens=engine.max_model_len - len(ids) - 1, temperature=0,
+                                               ignore_eos=True))
     snap: dict[str, Any] = {}
     for event in stream:
         if isinstance(event, TokenEvent):
