@@ -124,7 +124,7 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:                  # tied embeddings
+        if self.lm_head is None:                  # tied, and not wrapped by the loader (bare model)
             return F.linear(hidden, self.embed.weight).float()
         return self.lm_head(hidden).float()
 

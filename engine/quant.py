@@ -52,6 +52,13 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.switch.int8 and self.qweight is not None):
+            rows = x.shape[0]
+            if x.device.type == "cpu" and 1 < rows < 4:
+                # CPU BLAS runs a 2- or 3-row product as that many matrix-vector passes, each
+                # reading the whole weight (2-3.5x a single row, measured); padded to 4 rows it is
+                # one matrix product. Batches of 2-3 and short speculative verifies hit this.
+                padded = torch.cat([x, x.new_zeros(4 - rows, x.shape[1])])
+                return F.linear(padded, self.weight, self.bias)[:rows]
             return F.linear(x, self.weight, self.bias)
         # The engine's activations are always [tokens, features]: no reshape needed.
         y = torch.ops.aten._weight_int8pack_mm(x.to(self.scales.dtype), self.qweight, self.scales).to(x.dtype)

@@ -29,6 +29,7 @@ HELP = """\
 | F2 / F8 | rename / delete the conversation |
 | F3 | conversation settings (system prompt, sampling) |
 | F4 | switch model |
+| F9 | the inference lab: measure the explainers' claims on this machine |
 | Ctrl+P | command palette (every action, themes) |
 | F1 | this help |
 | Ctrl+Q | quit |
