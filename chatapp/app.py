@@ -13,7 +13,7 @@ from textual.screen import Screen
 
 from pdchat.themes import DEFAULT_THEME, THEMES, role_defaults
 
-from .backend import DEFAULT_CHUNK, Backend, Settings, Toggles, UnavailableBackend
+from .backend import DEFAULT_CHUNK, Backend, Settings, Toggles
 from .screens.chat import ChatScreen
 from .screens.lab import LabScreen, lab_runner
 from .store import Store
@@ -219,7 +219,8 @@ def _read_config() -> dict:
 
 def make_backend(options: dict, model: str | None = None) -> Backend:
     if options.get("backend"):
-        return UnavailableBackend(f"remote backends ({options['backend']}) are unavailable in this version")
+        from .remote_backend import RemoteBackend
+        return RemoteBackend(options["backend"], model=model or options.get("model"))
     from .local_backend import LocalBackend
     engine_options = {k: options[k] for k in TOGGLE_KEYS + ("spec_tokens", "draft_model") if options.get(k) is not None}
     return LocalBackend(model=model or options.get("model") or "smollm2-135m",

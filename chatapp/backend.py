@@ -130,29 +130,3 @@ class Backend(abc.ABC):
 
     def close(self) -> None:
         pass
-
-
-class UnavailableBackend(Backend):
-    """Stands in for a feature that is not built yet (e.g. a remote backend URL)."""
-
-    name = "unavailable"
-
-    def __init__(self, reason: str):
-        self.reason = reason
-        self.model = "unavailable"
-
-    def load(self, progress: Progress) -> None:
-        raise RuntimeError(self.reason)
-
-    @property
-    def capabilities(self) -> dict[str, bool]:
-        return {c: False for c in CAPABILITIES}
-
-    def stream(self, messages, settings) -> Generation:
-        raise RuntimeError(self.reason)
-
-    def stats(self) -> dict[str, Any]:
-        return {}
-
-    def update(self, **toggles: Any) -> None:
-        raise RuntimeError(self.reason)

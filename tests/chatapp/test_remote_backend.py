@@ -154,3 +154,13 @@ def test_run_with_unreachable_backend_is_one_line(capsys):
     code = main(["run", "--backend", f"http://127.0.0.1:{free_port()}", "hi"])
     err = capsys.readouterr().err
     assert code == 1 and err.startswith("pdchat: error: cannot reach") and "Traceback" not in err
+
+
+def test_app_picks_the_remote_backend_for_a_url():
+    from pdchat.chatapp.app import make_backend
+    from pdchat.chatapp.local_backend import LocalBackend
+    from pdchat.chatapp.remote_backend import RemoteBackend
+    remote = make_backend({"backend": "http://127.0.0.1:9", "model": "m"})
+    assert isinstance(remote, RemoteBackend) and remote.url == "http://127.0.0.1:9" and remote.model == "m"
+    remote.close()
+    assert isinstance(make_backend({"model": "random:tiny"}), LocalBackend)
