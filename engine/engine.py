@@ -73,7 +73,7 @@ class Engine:
         num_blocks = self._pool_blocks()
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_cache)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=cfg.max_num_seqs, chunk_size=cfg.chunk_size,
-                                   kv_cache=cfg.kv_cache, max_model_len=self.max_model_len)
+                                   kv_cache=cfg.kv_cache)
         backend = cfg.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"

@@ -44,12 +44,11 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, *, max_num_seqs: int, chunk_size: int | None,
-                 kv_cache: bool = True, max_model_len: int):
+                 kv_cache: bool = True):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.chunk_size = chunk_size          # None: each prefill in one piece
         self.kv_cache = kv_cache              # False: naive mode, recompute everything every step
-        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._admissions = itertools.count()
@@ -111,7 +110,7 @@ class Scheduler:
                 if budget is not None:
                     budget -= n
 
-        while self.waiting and not preempted and len(plan) < self.max_num_seqs:
+        while self.waiting and not preempted and len(self.running) < self.max_num_seqs:
             if budget is not None and budget <= 0:
                 break
             seq = self.waiting[0]

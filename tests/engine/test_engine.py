@@ -136,3 +136,15 @@ def test_seeded_requests_are_reproducible(tiny_engine):
     b = tiny_engine.submit("seed me", p).result().token_ids
     c = tiny_engine.submit("seed me", p.with_(seed=43)).result().token_ids
     assert a == b and a != c
+
+
+def test_batch_size_limit_holds_even_with_unfinished_prefills():
+    with Engine(model="random:tiny", telemetry=False, max_num_seqs=2, chunk_size=8, kv_cache_mb=4) as engine:
+        params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+        streams = [engine.submit(list(range(1, 60 + i)), params) for i in range(5)]
+        most = 0
+        while not all(s.done for s in streams):
+            most = max(most, engine.stats().running)
+            time.sleep(0.001)
+        assert most == 2
+        assert all(len(s.result().token_ids) == 30 for s in streams)
