@@ -138,13 +138,9 @@ def _read_stdin() -> str:
 
 
 def summary_line(m: dict[str, Any]) -> str:
-    """TTFT 312 ms · prefill 850 tok/s · 84 tok @ 31.2 tok/s · TPOT 32 ms · 30 prompt tok (16 cached)."""
-    def num(value: float | None, fmt: str) -> str:
-        return "n/a" if value is None else format(value, fmt)
-    cached = f" ({m['cached_prompt_tokens']} cached)" if m.get("cached_prompt_tokens") else ""
-    return (f"TTFT {num(m['ttft_ms'], ',.0f')} ms · prefill {num(m['prefill_tok_s'], ',.0f')} tok/s · "
-            f"{m['output_tokens']} tok @ {num(m['decode_tok_s'], ',.1f')} tok/s · TPOT {num(m['tpot_ms'], ',.1f')} ms · "
-            f"{num(m['prompt_tokens'], ',')} prompt tok{cached} · {m['finish_reason']}")
+    """The reply's one-line summary (the app's per-message line, plus the prefill rate)."""
+    from .format import summary
+    return summary(m, prefill_rate=True)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -34,8 +34,8 @@ def count(v: int | None) -> str:
     return NA if v is None else f"{v:,}"
 
 
-def summary(m: dict[str, Any] | None) -> str:
-    """One line per assistant message: TTFT · prompt (cached) · output @ rate · TPOT · spec."""
+def summary(m: dict[str, Any] | None, prefill_rate: bool = False) -> str:
+    """One line per reply: TTFT · prompt (cached) [· prefill rate] · output @ rate · TPOT · spec."""
     if not m:
         return ""
     parts = [f"TTFT {ms(m.get('ttft_ms'))}"]
@@ -43,6 +43,8 @@ def summary(m: dict[str, Any] | None) -> str:
     if m.get("cached_prompt_tokens"):
         prompt += f" ({count(m['cached_prompt_tokens'])} cached)"
     parts.append(prompt)
+    if prefill_rate:
+        parts.append(f"prefill {rate(m.get('prefill_tok_s'))}")
     parts.append(f"{count(m.get('output_tokens'))} tok @ {rate(m.get('decode_tok_s'))}")
     parts.append(f"TPOT {ms(m.get('tpot_ms'))}")
     if m.get("spec_method"):
