@@ -37,7 +37,7 @@ def lab_runner(backend: Backend) -> tuple[Runner | None, str | None]:
 
 
 def last_run() -> dict[str, Any] | None:
-    from pdchat.engine.lab_files import last_run as load
+    from pdchat.engine.bench.lab_files import last_run as load
     return load()
 
 

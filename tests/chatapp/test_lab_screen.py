@@ -9,7 +9,7 @@ from rich.console import Console
 from textual.widgets import Static
 
 from pdchat.chatapp.screens.lab import LabScreen
-from pdchat.engine import lab_files
+from pdchat.engine.bench import lab_files
 
 from .helpers import wait_for
 

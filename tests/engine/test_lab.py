@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from pdchat.engine import EngineConfig, lab_claims as lc
-from pdchat.engine import bench_lab, lab_files
+from pdchat.engine import EngineConfig
+from pdchat.engine.bench import lab as bench_lab, lab_claims as lc, lab_files
 from pdchat.engine.bench import median, run_suite
-from pdchat.engine.plot import nice_ticks, svg
+from pdchat.engine.bench.plot import nice_ticks, svg
 
 CLAIM_IDS = ["prefill_linear", "decode_slow_growth", "prefill_vs_decode", "int8_memory_bound", "kv_bytes",
              "prefix_cache", "batching", "chunked_prefill", "spec"]

@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from . import quant
-from .bench import Progress, filler_text, median, ratio
-from .config import EngineConfig, SamplingParams
-from .engine import Engine
-from .hf_reference import hf_generate, hf_model_for
+from .. import quant
+from ..config import EngineConfig, SamplingParams
+from ..engine import Engine
+from ..hf_reference import hf_generate, hf_model_for
+from . import Progress, filler_text, median, ratio
 
 
 def _timed(fn, *args) -> float:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from .bench import Progress, median, ratio
-from .config import EngineConfig, SamplingParams
-from .engine import Engine
-from .errors import InvalidRequest
+from ..config import EngineConfig, SamplingParams
+from ..engine import Engine
+from ..errors import InvalidRequest
+from . import Progress, median, ratio
 
 GROUNDED_TEXT = (
     "The lighthouse stood at the end of a narrow spit of rock, white paint peeling in long strips. "

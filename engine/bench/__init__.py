@@ -10,9 +10,9 @@ import platform
 import statistics
 from typing import Any, Callable
 
-from .config import EngineConfig
-from .errors import InvalidRequest
-from .telemetry import cpu_model_name
+from ..config import EngineConfig
+from ..errors import InvalidRequest
+from ..telemetry import cpu_model_name
 
 Progress = Callable[[str, float], None]      # (what is running, fraction done 0..1)
 
@@ -51,9 +51,8 @@ def filler_text(n_words: int, seed: int = 0) -> str:
 
 def run_suite(name: str, config: EngineConfig, *, quick: bool = False,
               progress: Progress | None = None) -> dict[str, Any]:
-    from . import bench_baseline, bench_lab, bench_spec, bench_toggles
-    suites = {"toggles": bench_toggles.run, "baseline": bench_baseline.run, "spec": bench_spec.run,
-              "lab": bench_lab.run}
+    from . import baseline, lab, spec, toggles
+    suites = {"toggles": toggles.run, "baseline": baseline.run, "spec": spec.run, "lab": lab.run}
     if name not in suites:
         raise InvalidRequest(f"unknown bench suite {name!r}; available: {', '.join(suites)}")
     result = suites[name](config, quick=quick, progress=progress or (lambda what, frac: None))

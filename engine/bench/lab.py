@@ -12,11 +12,12 @@ import importlib.util
 from dataclasses import replace
 from typing import Any
 
-from . import bench_spec, bench_toggles, lab_claims, lab_files, quant
-from .bench import Progress, filler_text, machine, median, ratio
-from .config import EngineConfig, SamplingParams
-from .engine import Engine
-from .stream import TokenEvent
+from .. import quant
+from ..config import EngineConfig, SamplingParams
+from ..engine import Engine
+from ..stream import TokenEvent
+from . import Progress, filler_text, machine, median, ratio
+from . import lab_claims, lab_files, spec as bench_spec, toggles as bench_toggles
 
 SIZES: dict[str, dict[str, Any]] = {
     # ~4 minutes for smollm2-135m on a 2-core CPU.

@@ -12,10 +12,10 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from .bench import Progress, filler_text, median, ratio
-from .config import EngineConfig, SamplingParams
-from .engine import Engine
-from .stream import FinishEvent, TokenEvent
+from ..config import EngineConfig, SamplingParams
+from ..engine import Engine
+from ..stream import FinishEvent, TokenEvent
+from . import Progress, filler_text, median, ratio
 
 
 def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .paths import data_dir
+from ..paths import data_dir
 from .plot import svg
 
 
