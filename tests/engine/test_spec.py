@@ -50,16 +50,18 @@ def test_greedy_tokens_identical_alone_and_batched(spec, draft):
 def test_default_model_spec_is_lossless(default_engine):
     text = ("Pdchat is a terminal chat app that hosts its own inference engine and shows the prefill "
             "pause, the decode stream, the KV cache and the device at work.")
-    prompt = f"Repeat this sentence exactly: {text}"
+    prompts = [f"Repeat this sentence exactly: {text}", "Name three rivers in Europe.", "What is 7 times 6?"]
     greedy = SamplingParams(max_tokens=48, temperature=0)
-    want = default_engine.submit(prompt, greedy).result()
+    want = [c.token_ids for c in [default_engine.submit(p, greedy).result() for p in prompts]]
     original = default_engine.config.spec
     try:
-        for spec in ("ngram", "draft"):
+        for spec in ("ngram", "draft"):             # draft without --draft-model = int8 self-draft
             default_engine.update(spec=spec)
-            got = default_engine.submit(prompt, greedy).result()
-            assert got.token_ids == want.token_ids, spec
-            assert got.metrics.spec_accepted > 0, spec
+            alone = default_engine.submit(prompts[0], greedy).result()
+            assert alone.token_ids == want[0], spec
+            assert alone.metrics.spec_accepted > 0, spec
+            together = default_engine.generate(prompts, greedy)          # batched, prefix cache on
+            assert [c.token_ids for c in together] == want, spec
     finally:
         default_engine.update(spec=original)
 
