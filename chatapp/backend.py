@@ -123,6 +123,10 @@ class Backend(abc.ABC):
     def update(self, **toggles: Any) -> None:
         """Apply toggles (names of Toggles fields) to new requests."""
 
+    def models(self) -> list[str]:
+        """Models this backend can switch to without a download (for the model picker)."""
+        return [self.model] if self.model else []
+
     def now(self) -> float:
         """The clock the event times use (the fake backend has a fake one)."""
         import time

@@ -57,6 +57,11 @@ class LocalBackend(Backend):
     def capabilities(self) -> dict[str, bool]:
         return {c: True for c in CAPABILITIES}
 
+    def models(self) -> list[str]:
+        from pdchat.engine.model_source import cached_models
+        names = [name for name, _, _ in cached_models()]
+        return [self.model] + [n for n in names if n != self.model]
+
     def _engine(self):
         if self.engine is None:
             raise RuntimeError("the model is not loaded yet")

@@ -108,6 +108,14 @@ class RemoteBackend(Backend):
         server = self._snapshot.get("server")
         progress(f"{self.model} at {self.endpoint.root} ({f'{server} metrics' if server else 'no /metrics'})")
 
+    def models(self) -> list[str]:
+        if self.endpoint is None:
+            return super().models()
+        try:
+            return [m["id"] for m in self._get_json("/v1/models").get("data", [])]
+        except Exception:   # the list is a convenience: a server that will not say offers none
+            return super().models()
+
     def _get_json(self, path: str) -> dict[str, Any]:
         assert self.endpoint is not None
         try:

@@ -9,7 +9,7 @@ from textual.containers import VerticalScroll
 from .. import format as fmt
 from ..widgets.chat_input import ChatInput
 from ..widgets.messages import MessageView, code_blocks
-from .modals import HelpScreen, SettingsScreen, TextPrompt
+from .modals import HelpScreen, ModelPicker, SettingsScreen, TextPrompt
 
 ROLE_TITLES = {"user": "You", "assistant": "Assistant", "system": "System"}
 
@@ -195,9 +195,7 @@ class ChatActions:
         def done(model: str | None) -> None:
             if model:
                 self.app.switch_model(model)
-        self.app.push_screen(TextPrompt("Model: a cached name, hub id, local path or .gguf",
-                                        self.backend.model,
-                                        placeholder="smollm2-135m"), done)
+        self.app.push_screen(ModelPicker(self.backend.models(), self.backend.model), done)
 
     def action_help(self) -> None:
         self.app.push_screen(HelpScreen())

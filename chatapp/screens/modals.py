@@ -5,7 +5,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, Markdown, TextArea
+from textual.widgets import Button, Input, Label, Markdown, OptionList, TextArea
 
 from ..backend import Settings
 
@@ -70,6 +70,38 @@ class TextPrompt(ModalScreen[str | None]):
         with Vertical(classes="modal-box prompt-box"):
             yield Label(self.title_text, classes="modal-title")
             yield Input(self.value, placeholder=self.placeholder, id="prompt-input")
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        self.dismiss(event.value.strip() or None)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class ModelPicker(ModalScreen[str | None]):
+    """Pick a model the backend already has, or type any name, hub id, folder or .gguf path."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, models: list[str], current: str):
+        super().__init__()
+        self.models, self.current = models, current
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="modal-box prompt-box"):
+            yield Label("Model", classes="modal-title")
+            yield OptionList(*self.models, id="model-list")
+            yield Input(placeholder="or a hub id (org/name), a folder, a .gguf file, random:<preset>",
+                        id="model-input")
+
+    def on_mount(self) -> None:
+        options = self.query_one(OptionList)
+        if self.current in self.models:
+            options.highlighted = self.models.index(self.current)
+        options.focus()
+
+    def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
+        self.dismiss(self.models[event.option_index])
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         self.dismiss(event.value.strip() or None)

@@ -263,3 +263,35 @@ async def test_gpu_device_panel(make_app):
         await pilot.pause(0.3)
         app2_text = panel_text(app2, "device")
         assert "CPU util     38%" in app2_text and "812.0 MB" in app2_text and "GPU" not in app2_text
+
+
+class ListingBackend(FakeBackend):
+    def models(self) -> list[str]:
+        return ["fake-model", "other-model"]
+
+
+async def test_model_picker_lists_models_and_switches(make_app):
+    made = []
+
+    def factory(model: str) -> FakeBackend:
+        made.append(model)
+        return ListingBackend(model=model)
+
+    app = make_app(ListingBackend(), backend_factory=factory)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await ready(pilot)
+        await pilot.press("f4")
+        await pilot.pause(0.1)
+        from textual.widgets import OptionList
+        options = app.screen.query_one(OptionList)
+        assert [str(options.get_option_at_index(i).prompt) for i in range(options.option_count)] == \
+            ["fake-model", "other-model"]
+        await pilot.press("down", "enter")
+        await wait_for(pilot, lambda: app.ready and app.backend.model == "other-model")
+        assert made == ["other-model"] and app.sub_title == "other-model"
+        await pilot.press("f4")
+        await pilot.pause(0.1)
+        app.screen.query_one("#model-input").focus()
+        app.screen.query_one("#model-input").value = "random:tiny"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: made[-1] == "random:tiny")
