@@ -101,6 +101,23 @@ def _attend_tile(acc, m_i, l_i, q, start_n, q_pos, key_end, bt_row_ptr, k_base, 
 
 
 @triton.jit
+def _attend_range(acc, m_i, l_i, q, lo, full_end, hi, q_pos, key_end, bt_row_ptr, k_base, v_base,
+                  stride_cb, stride_cr, stride_cd, qk_scale,
+                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
+    """Keys [lo, hi): tiles below full_end need no mask (the cheap bulk), the rest are masked."""
+    for start_n in range(lo, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start_n, q_pos, key_end, bt_row_ptr, k_base, v_base,
+                                     stride_cb, stride_cr, stride_cd, qk_scale,
+                                     BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, False, PRECISION)
+    for start_n in range(full_end, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start_n, q_pos, key_end, bt_row_ptr, k_base, v_base,
+                                     stride_cb, stride_cr, stride_cd, qk_scale,
+                                     BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, True, PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _load_q(q_ptr, tok, head, row_ok, stride_qt, stride_qh, stride_qd,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
@@ -146,14 +163,9 @@ def _varlen_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, q
     first_pos = ctx - q_len + first
     last_end = ctx - q_len + tl.minimum(first + BLOCK_Q, q_len)     # one past the tile's last position
     full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N                # tiles every row sees in full
-    for start_n in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start_n, q_pos, ctx, bt_row, k_base, v_base,
-                                     stride_cb, stride_cr, stride_cd, qk_scale,
-                                     BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, False, PRECISION)
-    for start_n in range(full_end, last_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start_n, q_pos, ctx, bt_row, k_base, v_base,
-                                     stride_cb, stride_cr, stride_cd, qk_scale,
-                                     BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, True, PRECISION)
+    acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, 0, full_end, last_end, q_pos, ctx, bt_row, k_base, v_base,
+                                  stride_cb, stride_cr, stride_cd, qk_scale,
+                                  BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION)
 
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]     # rows that saw no key (padding) give 0
     offs_d = tl.arange(0, BLOCK_D)
@@ -199,14 +211,9 @@ def _decode_split_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, q_ptr, k_cache_pt
     k_base = k_cache_ptr + kvh * stride_ch
     v_base = v_cache_ptr + kvh * stride_ch
     full_end = lo + ((hi - lo) // BLOCK_N) * BLOCK_N
-    for start_n in range(lo, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start_n, q_pos, hi, bt_row, k_base, v_base,
-                                     stride_cb, stride_cr, stride_cd, qk_scale,
-                                     BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, False, PRECISION)
-    for start_n in range(full_end, hi, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, start_n, q_pos, hi, bt_row, k_base, v_base,
-                                     stride_cb, stride_cr, stride_cd, qk_scale,
-                                     BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, True, PRECISION)
+    acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, lo, full_end, hi, q_pos, hi, bt_row, k_base, v_base,
+                                  stride_cb, stride_cr, stride_cd, qk_scale,
+                                  BLOCK_SIZE, BLOCK_N, BLOCK_D, HEAD_DIM, PRECISION)
 
     # Partials, unnormalised: [seq, head, split] for m and l, [seq, head, split, HEAD_DIM] for acc.
     # An empty split (a short sequence) leaves m = -1e30, l = 0, acc = 0: weight 0 in the reduce.
