@@ -165,16 +165,23 @@ def cmd_run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             stream.cancel()
             completion = stream.result()
-    if completion.error:
-        print(f"pdchat: error: {completion.error}", file=sys.stderr)
-    metrics = completion.metrics.to_dict()
+    return report_turn(args, completion.text, completion.token_ids, completion.finish_reason,
+                       completion.metrics.to_dict(), completion.error)
+
+
+def report_turn(args: argparse.Namespace, text: str, token_ids: list[int] | None, finish_reason: str,
+                metrics: dict[str, Any], error: str | None) -> int:
+    """How a finished `pdchat run` turn ends, local or remote: the JSON object, or a newline after
+    the streamed text and the summary line; then the exit code."""
+    if error:
+        print(f"pdchat: error: {error}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"text": completion.text, "token_ids": completion.token_ids,
-                          "finish_reason": completion.finish_reason, "metrics": metrics}))
+        print(json.dumps({"text": text, "token_ids": token_ids, "finish_reason": finish_reason,
+                          "metrics": metrics}))
     else:
         sys.stdout.write("\n")
         print(summary_line(metrics), file=sys.stderr)
-    return EXIT_ERROR if completion.finish_reason == "error" else 0
+    return EXIT_ERROR if finish_reason == "error" else 0
 
 
 def cmd_pull(args: argparse.Namespace) -> int:

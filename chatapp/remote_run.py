@@ -4,7 +4,6 @@ does not return them."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from .backend import Done, Settings, Token
@@ -12,7 +11,7 @@ from .remote_backend import RemoteBackend
 
 
 def run_remote(args: argparse.Namespace) -> int:
-    from .cli import EXIT_ERROR, _read_prompt, summary_line
+    from .cli import _read_prompt, report_turn
     prompt = _read_prompt(args)
     settings = Settings(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                         top_k=args.top_k, seed=args.seed, system=args.system)
@@ -33,12 +32,4 @@ def run_remote(args: argparse.Namespace) -> int:
             done = Done(generation.reply.text, "cancelled", generation.reply.metrics())
     finally:
         backend.close()
-    if done.error:
-        print(f"pdchat: error: {done.error}", file=sys.stderr)
-    if args.json:
-        print(json.dumps({"text": done.text, "token_ids": None, "finish_reason": done.finish_reason,
-                          "metrics": done.metrics}))
-    else:
-        sys.stdout.write("\n")
-        print(summary_line(done.metrics), file=sys.stderr)
-    return EXIT_ERROR if done.finish_reason == "error" else 0
+    return report_turn(args, done.text, None, done.finish_reason, done.metrics, done.error)
