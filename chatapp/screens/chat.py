@@ -10,7 +10,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Input, Label, ListItem, ListView, Static
 
-from ..backend import Done, Settings, Toggles
+from ..backend import Done, Settings
 from ..live import LiveReply
 from ..widgets.chat_input import ChatInput
 from ..widgets.messages import MessageView

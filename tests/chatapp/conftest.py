@@ -1,7 +1,7 @@
 """Shared fixtures: a tmp data dir, a store, a FakeBackend and an app factory."""
 from __future__ import annotations
 
-import asyncio
+import contextlib
 
 import pytest
 
@@ -9,11 +9,22 @@ from pdchat.chatapp.app import PdchatApp
 from pdchat.chatapp.fake_backend import FakeBackend
 from pdchat.chatapp.store import Store
 
+from .loopback import MODEL
+
 
 @pytest.fixture(autouse=True)
 def _dirs(tmp_path, monkeypatch):
     monkeypatch.setenv("PDCHAT_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setenv("PDCHAT_CONFIG_DIR", str(tmp_path / "config"))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """A real engine on a tiny random model, one per test module (the HTTP tests serve it)."""
+    from pdchat.engine import Engine
+    eng = Engine(model=MODEL, device="cpu", telemetry=False, kv_cache_mb=16)
+    yield eng
+    eng.close()
 
 
 @pytest.fixture
@@ -31,9 +42,7 @@ def make_app(tmp_path):
 
     yield make
     for store in made:
-        try:
+        with contextlib.suppress(Exception):      # a test may have closed it already
             store.close()
-        except Exception:
-            pass
 
 

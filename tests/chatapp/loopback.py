@@ -9,6 +9,8 @@ from typing import Iterator
 
 import uvicorn
 
+MODEL = "random:tiny"          # what the HTTP tests serve (the `engine` fixture in conftest)
+
 
 def free_port() -> int:
     with socket.socket() as s:

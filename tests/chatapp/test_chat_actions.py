@@ -7,7 +7,6 @@ from pdchat.chatapp.backend import DEFAULT_CHUNK
 from pdchat.chatapp.fake_backend import FakeBackend
 from pdchat.chatapp.store import Store
 from pdchat.chatapp.widgets.messages import MessageView
-from pdchat.chatapp.widgets.telemetry import TelemetryPanel
 from pdchat.chatapp.widgets.toggles import TogglesBox
 
 from .helpers import idle, ready, send, wait_for

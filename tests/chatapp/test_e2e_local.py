@@ -7,7 +7,7 @@ from pdchat.chatapp.backend import Settings
 from pdchat.chatapp.local_backend import LocalBackend
 from pdchat.chatapp.widgets.messages import MessageView
 
-from .helpers import idle, ready, send, wait_for
+from .helpers import send, wait_for
 
 pytestmark = pytest.mark.anyio
 

@@ -12,19 +12,11 @@ from pdchat.chatapp.metrics_parsers import Samples
 from pdchat.chatapp.openai_client import Endpoint, RemoteError
 from pdchat.chatapp.remote_backend import RemoteBackend
 from pdchat.chatapp.serve.app import create_app
-from pdchat.engine import Engine, SamplingParams
+from pdchat.engine import SamplingParams
 
-from .loopback import free_port, running, wait_until
+from .loopback import MODEL, free_port, running, wait_until
 
-MODEL = "random:tiny"
 HELLO = [{"role": "user", "content": "Say hello."}]
-
-
-@pytest.fixture(scope="module")
-def engine():
-    eng = Engine(model=MODEL, device="cpu", telemetry=False, kv_cache_mb=16)
-    yield eng
-    eng.close()
 
 
 @pytest.fixture(scope="module")

@@ -14,20 +14,12 @@ import pytest
 from pdchat.chatapp.cli import build_parser
 from pdchat.chatapp.metrics_parsers import Samples, parse_metrics
 from pdchat.chatapp.serve.app import create_app
-from pdchat.engine import Engine, SamplingParams
+from pdchat.engine import SamplingParams
 
-from .loopback import running, wait_until
+from .loopback import MODEL, running, wait_until
 
-MODEL = "random:tiny"
 HELLO = [{"role": "user", "content": "Say hello."}]
 LONG = {"max_tokens": 4000, "ignore_eos": True}      # runs for seconds unless cancelled
-
-
-@pytest.fixture(scope="module")
-def engine():
-    eng = Engine(model=MODEL, device="cpu", telemetry=False, kv_cache_mb=16)
-    yield eng
-    eng.close()
 
 
 @pytest.fixture(scope="module")

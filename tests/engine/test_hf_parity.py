@@ -3,7 +3,6 @@ last-position logits within 1e-4 (fp32, CPU)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pdchat.engine import Engine, SamplingParams
 
