@@ -40,6 +40,9 @@ def _shared_flags() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:N")
     g.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
     g.add_argument("--threads", type=_positive_int, default=None, help="CPU threads for torch")
+    g.add_argument("--kernels", choices=["auto", "torch", "triton", "cpu"], default="auto",
+                   help="auto (default: Triton attention on CUDA, the C kernels for fp32 on CPU), or force one; "
+                        "torch = plain PyTorch ops")
     s = p.add_argument_group("sampling")
     s.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
     s.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
@@ -103,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_config(args: argparse.Namespace) -> Any:
     from pdchat.engine import DEFAULT_MODEL, EngineConfig
     return EngineConfig(model=args.model or DEFAULT_MODEL, device=args.device, dtype=args.dtype,
-                        threads=args.threads, kv_cache=not args.no_kv_cache,
+                        threads=args.threads, kernels=args.kernels, kv_cache=not args.no_kv_cache,
                         prefix_cache=not args.no_prefix_cache, chunk_size=args.chunk_size,
                         kv_cache_mb=args.kv_cache_mb, max_num_seqs=args.max_batch, quant=args.quant,
                         spec=args.spec, spec_tokens=args.spec_tokens, draft_model=args.draft_model)

@@ -28,7 +28,8 @@ class EngineConfig:
     spec: str = "off"                  # speculative decoding: off | ngram | draft
     spec_tokens: int = 4               # initial draft length k (adapts per request)
     draft_model: str | None = None     # for spec=draft: a model spec, or None/"self" = target in int8
-    attention_backend: str = "auto"    # auto | torch | triton
+    # Kernel backend: auto (triton on CUDA, cpu in fp32 on CPU, else torch) | torch | triton | cpu
+    kernels: str = "auto"
     threads: int | None = None         # torch intra-op threads on CPU; None: leave torch's default
     seed: int = 0                      # for random: models
     telemetry: bool = True             # sample device utilization on a side thread

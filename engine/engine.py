@@ -14,9 +14,13 @@ import time
 import traceback
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Iterable
 
 import torch
+
+from pdchat import kernels
+from pdchat.kernels.cpu import KernelsUnavailable
 
 from . import quant
 from .block_manager import BlockManager
@@ -58,9 +62,11 @@ class Engine:
         self.dtype = pick_dtype(cfg.dtype, self.device)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        self.notices: list[str] = []             # things a UI should tell the user once
+        self.ops = self._kernels(cfg.kernels)
         self.files = resolve(cfg.model, say)
         say(f"loading {cfg.model} on {self.device} ({str(self.dtype).removeprefix('torch.')})…")
-        self.loaded = load(self.files, self.device, self.dtype, seed=cfg.seed)
+        self.loaded = load(self.files, self.device, self.dtype, seed=cfg.seed, ops=self.ops)
         self.tokenizer = self.loaded.tokenizer
         mc = self.loaded.config
         self.model_config = mc
@@ -74,12 +80,7 @@ class Engine:
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_cache)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=cfg.max_num_seqs, chunk_size=cfg.chunk_size,
                                    kv_cache=cfg.kv_cache)
-        backend = cfg.attention_backend
-        if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" else "torch"
-        self.runner = ModelRunner(self.loaded.model, mc, self.device, self.dtype, num_blocks,
-                                  cfg.block_size, backend)
-        self.notices: list[str] = []             # things a UI should tell the user once
+        self.runner = ModelRunner(self.loaded.model, mc, self.device, self.dtype, num_blocks, cfg.block_size)
         self._set_quant(cfg.quant)
         self._set_spec(cfg.spec)
         self.monitor = None
@@ -125,6 +126,25 @@ class Engine:
                                   f"{per_block / 2**20:.2f} MB")
         return int(blocks)
 
+    def _kernels(self, name: str) -> SimpleNamespace:
+        """auto: Triton attention on CUDA, the C kernels on CPU in fp32, plain PyTorch otherwise;
+        an automatic choice that cannot be built falls back to PyTorch with a notice."""
+        chosen = name
+        if name == "auto":
+            fp32_cpu = self.device.type == "cpu" and self.dtype == torch.float32
+            chosen = "triton" if self.device.type == "cuda" else "cpu" if fp32_cpu else "torch"
+        elif name == "cpu" and not (self.device.type == "cpu" and self.dtype == torch.float32):
+            raise InvalidRequest("the cpu kernels run fp32 on the CPU only")
+        elif name not in kernels.BACKENDS:
+            raise InvalidRequest(f"unknown kernel backend {name!r} (auto, {', '.join(kernels.BACKENDS)})")
+        try:
+            return kernels.load(chosen, cache_dir())
+        except (ImportError, KernelsUnavailable) as e:
+            if name != "auto":
+                raise InvalidRequest(f"{chosen} kernels unavailable: {e}") from None
+            self.notices.append(f"{chosen} kernels unavailable ({e}); running PyTorch's ops")
+            return kernels.load("torch")
+
     # ---- quantization ---------------------------------------------------------------------
     def _quant_cache(self) -> Path | None:
         files = self.files
@@ -138,7 +158,7 @@ class Engine:
 
     def _prepare_int8(self) -> bool:
         """Make the int8 weight copies (from the cache when possible); False if unsupported here."""
-        if not quant.int8_supported(self.device):
+        if not self.ops.int8_supported(self.device):
             return False
         model = self.loaded.model
         cache = self._quant_cache()
@@ -161,7 +181,7 @@ class Engine:
     def _load_draft(self, spec: str | None, say: Callable[[str], None]):
         if spec in (None, "self"):
             return None                            # self-draft: the target's own int8 weights
-        draft = load(resolve(spec, say), self.device, self.dtype, seed=self.config.seed)
+        draft = load(resolve(spec, say), self.device, self.dtype, seed=self.config.seed, ops=self.ops)
         if draft.tokenizer.get_vocab() != self.tokenizer.get_vocab():
             raise InvalidRequest(f"draft model {spec!r} has a different tokenizer from {self.config.model!r}")
         return draft
@@ -184,8 +204,7 @@ class Engine:
                 loaded = self._draft or self.loaded
                 try:
                     self._draft_runner = ModelRunner(loaded.model, loaded.config, self.device, self.dtype,
-                                                     self.blocks.num_blocks, self.blocks.block_size,
-                                                     self.runner.attention_backend)
+                                                     self.blocks.num_blocks, self.blocks.block_size)
                 except torch.OutOfMemoryError:
                     # The pool was sized without a draft; at start-up it is sized for both.
                     raise InvalidRequest("not enough memory for the draft's KV cache now; "
@@ -290,7 +309,7 @@ class Engine:
             kv_bytes_total=b.num_blocks * bs * bpt, running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting), step_ms=ms, step_prefill_tokens=pre, step_decode_tokens=dec,
             prefix_hit_rate=b.hit_rate, device=str(self.device),
-            weight_bytes=self._weight_read_bytes, quant=self.config.quant,
+            weight_bytes=self._weight_read_bytes, quant=self.config.quant, kernels=self.ops.name,
             prefix_cache=self.config.prefix_cache, kv_cache=self.config.kv_cache,
             chunk_size=self.config.chunk_size, max_num_seqs=self.config.max_num_seqs,
             spec=self.config.spec, spec_tokens=self.config.spec_tokens,

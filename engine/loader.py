@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import zlib
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -109,7 +110,9 @@ def eos_ids(cfg: ModelConfig, files: ModelFiles, tokenizer: Any) -> frozenset[in
     return frozenset(ids)
 
 
-def load(files: ModelFiles, device: torch.device, dtype: torch.dtype, seed: int = 0) -> LoadedModel:
+def load(files: ModelFiles, device: torch.device, dtype: torch.dtype, seed: int = 0,
+         ops: SimpleNamespace | None = None) -> LoadedModel:
+    """Build the model on the device with the given kernel backend (default: plain PyTorch)."""
     hf_cfg = hf_config_of(files)
     cfg = ModelConfig.from_hf(hf_cfg)
     tokenizer = load_tokenizer(files)
@@ -125,7 +128,9 @@ def load(files: ModelFiles, device: torch.device, dtype: torch.dtype, seed: int 
         raise ModelLoadError(f"weights do not fit the config in {files.path}: {e}") from e
     del state
     model.eval().requires_grad_(False)
-    switch = quant.install(model)
+    if ops is not None:
+        model.ops = ops
+    switch = quant.install(model, model.ops)
     if cfg.tie_embeddings:
         # The LM head reads the embedding matrix; as a QuantLinear it can have an int8 copy too.
         model.lm_head = quant.QuantLinear(None, switch, weight=model.embed.weight)

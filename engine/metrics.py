@@ -95,6 +95,7 @@ class EngineStats:
     rss_bytes: int | None = None
     weight_bytes: int = 0             # weight bytes one decode step reads (int8 when active)
     quant: str = "none"
+    kernels: str = "torch"            # the kernel backend in use: torch | triton | cpu
     spec: str = "off"
     spec_tokens: int = 0
     achieved_bandwidth: float | None = None   # bytes/s: (weights + K/V read) x decode steps/s

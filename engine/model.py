@@ -6,13 +6,18 @@ so the same forward serves prefill chunks, decodes and speculative verification.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdchat import kernels
+from pdchat.kernels import reference
 from .model_config import ModelConfig
+
+Kernels = SimpleNamespace   # the ops of one backend (pdchat.kernels.load)
 
 # attend(layer_index, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -25,21 +30,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 whatever the weights' dtype, as the reference implementation does;
-        # the fused op gives the same bits as the spelled-out formula, in one kernel instead of five.
-        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
-        return self.weight * normed.to(x.dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos/sin: [T, D] (the half-split layout of Hugging Face Llama)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + rotate_half(x) * sin
+        return reference.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -57,7 +48,8 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn,
+                ops: Kernels) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
@@ -65,7 +57,7 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = ops.rope(q, k, cos, sin)
         out = attend(self.layer, q, k, v)
         return self.o(out.reshape(T, self.q_size))
 
@@ -73,13 +65,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.inter = cfg.intermediate_size
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.inter, dim=-1)
-        return self.down(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: Kernels) -> torch.Tensor:
+        return self.down(ops.silu_mul(self.gate_up(x)))
 
 
 class Block(nn.Module):
@@ -90,9 +80,12 @@ class Block(nn.Module):
         self.norm_mlp = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn) -> torch.Tensor:
-        x = x + self.attn(self.norm_attn(x), cos, sin, attend)
-        return x + self.mlp(self.norm_mlp(x))
+    def forward(self, x: torch.Tensor, h: torch.Tensor, next_norm: RMSNorm, cos: torch.Tensor,
+                sin: torch.Tensor, attend: AttendFn, ops: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream, h: its normalised form -> the same two after this block, h
+        normalised by `next_norm` (each residual add is fused with the norm that follows it)."""
+        x, h = ops.add_rms_norm(x, self.attn(h, cos, sin, attend, ops), self.norm_mlp.weight, self.norm_mlp.eps)
+        return ops.add_rms_norm(x, self.mlp(h, ops), next_norm.weight, next_norm.eps)
 
 
 class Transformer(nn.Module):
@@ -106,6 +99,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.ops: Kernels = kernels.load("torch")     # the engine picks the device's backend
         with torch.device("cpu"):   # real numbers even when built on the meta device
             self.register_buffer("inv_freq", cfg.rope_inv_freq(), persistent=False)
 
@@ -117,11 +111,15 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden] (normalised)."""
+        ops = self.ops
         cos, sin = self.rope(positions)
         x = self.embed(input_ids)
-        for block in self.layers:
-            x = block(x, cos, sin, attend)
-        return self.norm(x)
+        first = self.layers[0].norm_attn
+        h = ops.rms_norm(x, first.weight, first.eps)
+        norms_after = [b.norm_attn for b in self.layers[1:]] + [self.norm]
+        for block, next_norm in zip(self.layers, norms_after):
+            x, h = block(x, h, next_norm, cos, sin, attend, ops)
+        return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:                  # tied, and not wrapped by the loader (bare model)

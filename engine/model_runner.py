@@ -5,7 +5,6 @@ from dataclasses import dataclass
 
 import torch
 
-from pdchat.kernels import reference
 from .model import Transformer
 from .model_config import ModelConfig
 from .sequence import Sequence
@@ -26,7 +25,7 @@ class Work:
 
 class ModelRunner:
     def __init__(self, model: Transformer, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-                 num_blocks: int, block_size: int, attention_backend: str = "torch"):
+                 num_blocks: int, block_size: int):
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -34,13 +33,6 @@ class ModelRunner:
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.scale = cfg.head_dim ** -0.5
-        self.attention_backend = attention_backend
-        self.store_kv = reference.store_kv
-        self.paged_attention = reference.paged_attention
-        if attention_backend == "triton":
-            from pdchat.kernels import triton_attention
-            self.store_kv = triton_attention.store_kv
-            self.paged_attention = triton_attention.paged_attention
 
     @property
     def kv_bytes_total(self) -> int:
@@ -80,10 +72,11 @@ class ModelRunner:
         qsl = torch.tensor([0] + qlens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(dev, non_blocking=True)
         context_lens = torch.tensor(clens, dtype=torch.int32).to(dev, non_blocking=True)
         k_cache, v_cache = self.k_cache, self.v_cache
+        ops = self.model.ops
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            self.store_kv(k, v, k_cache[layer], v_cache[layer], slot_mapping)
-            return self.paged_attention(q, k_cache[layer], v_cache[layer], block_tables, qsl, context_lens,
+            ops.store_kv(k, v, k_cache[layer], v_cache[layer], slot_mapping)
+            return ops.paged_attention(q, k_cache[layer], v_cache[layer], block_tables, qsl, context_lens,
                                         self.scale, query_lens_host=qlens, context_lens_host=clens)
 
         hidden = self.model(input_ids, pos, attend)

@@ -1,29 +1,30 @@
 """Weight-only int8 quantization (per-output-channel scales) for the linear layers and LM head.
 
-Decode on CPU is bound by reading weights: int8 moves a quarter of fp32's bytes, and for small
-models the whole int8 model fits in a large L3 cache. Each `QuantLinear` keeps its full-precision
+Decode on CPU is bound by reading weights: int8 moves a quarter of fp32's bytes. Each `QuantLinear` keeps its full-precision
 weight too, so the mode can flip at run time and a speculative "self-draft" can run the int8
 copy while the target verifies with the original weights.
 """
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
 class QuantSwitch:
-    """Shared by all QuantLinear layers of a model: which weights the next forward uses."""
+    """Shared by all QuantLinear layers of a model: which weights the next forward uses, and the
+    kernel backend that runs the products (it also decides the int8 weights' packed layout)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ops: SimpleNamespace) -> None:
         self.int8 = False
+        self.ops = ops
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row quantization: weight [N, K] -> (int8 [N, K], scales [N])."""
+    """Symmetric per-row quantization: weight [N, K] -> (int8 [N, K], fp32 scales [N])."""
     w = weight.float()
     scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
     q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
@@ -31,7 +32,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class QuantLinear(nn.Module):
-    """A linear layer with an optional int8 copy of its weight."""
+    """A linear layer with an optional int8 copy of its weight (packed for the backend)."""
 
     def __init__(self, linear: nn.Linear | None, switch: QuantSwitch, weight: torch.Tensor | None = None):
         super().__init__()
@@ -41,44 +42,25 @@ class QuantLinear(nn.Module):
         self.register_buffer("qweight", None, persistent=False)
         self.register_buffer("scales", None, persistent=False)
 
-    def prepare(self) -> None:
-        if self.qweight is None:
-            self.qweight, self.scales = quantize_int8(self.weight)
+    def set_int8(self, q: torch.Tensor, scales: torch.Tensor) -> None:
+        """Adopt canonical int8 weights (int8 [N, K], fp32 scales [N])."""
+        device = self.weight.device
+        self.qweight, self.scales = self.switch.ops.pack_int8(q.to(device), scales.to(device), self.weight.dtype)
 
-    @property
-    def act_dtype(self) -> torch.dtype:
-        # aten's int8 CPU kernel is fast with bf16 activations (its fp32 path is not).
-        return torch.bfloat16 if self.weight.device.type == "cpu" else self.weight.dtype
+    def int8_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The canonical form back (for the cache file)."""
+        return self.switch.ops.unpack_int8(self.qweight, self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.switch.int8 and self.qweight is not None):
-            rows = x.shape[0]
-            if x.device.type == "cpu" and 1 < rows < 4:
-                # CPU BLAS runs a 2- or 3-row product as that many matrix-vector passes, each
-                # reading the whole weight (2-3.5x a single row, measured); padded to 4 rows it is
-                # one matrix product. Batches of 2-3 and short speculative verifies hit this.
-                padded = torch.cat([x, x.new_zeros(4 - rows, x.shape[1])])
-                return F.linear(padded, self.weight, self.bias)[:rows]
-            return F.linear(x, self.weight, self.bias)
         # The engine's activations are always [tokens, features]: no reshape needed.
-        y = torch.ops.aten._weight_int8pack_mm(x.to(self.scales.dtype), self.qweight, self.scales).to(x.dtype)
-        return y + self.bias if self.bias is not None else y
+        if self.switch.int8 and self.qweight is not None:
+            return self.switch.ops.linear_int8(x, self.qweight, self.scales, self.bias)
+        return self.switch.ops.linear(x, self.weight, self.bias)
 
 
-def int8_supported(device: torch.device) -> bool:
-    """Whether this torch build runs the int8 weight-only matmul on the device."""
-    try:
-        x = torch.zeros(1, 32, dtype=torch.bfloat16, device=device)
-        q = torch.zeros(8, 32, dtype=torch.int8, device=device)
-        torch.ops.aten._weight_int8pack_mm(x, q, torch.ones(8, dtype=torch.bfloat16, device=device))
-        return True
-    except (RuntimeError, NotImplementedError, AttributeError):
-        return False
-
-
-def install(model: nn.Module) -> QuantSwitch:
+def install(model: nn.Module, ops: SimpleNamespace) -> QuantSwitch:
     """Wrap every nn.Linear of the model (and a tied LM head) in QuantLinear; fp weights unchanged."""
-    switch = QuantSwitch()
+    switch = QuantSwitch(ops)
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
@@ -89,9 +71,8 @@ def install(model: nn.Module) -> QuantSwitch:
 def prepare(model: nn.Module) -> None:
     """Compute the int8 copies (once)."""
     for module in model.modules():
-        if isinstance(module, QuantLinear):
-            module.prepare()
-            module.scales = module.scales.to(module.act_dtype)
+        if isinstance(module, QuantLinear) and module.qweight is None:
+            module.set_int8(*quantize_int8(module.weight))
 
 
 @contextlib.contextmanager
@@ -111,8 +92,9 @@ def save(model: nn.Module, path) -> None:
     from safetensors.torch import save_file
     tensors = {}
     for name, m in _quant_modules(model).items():
-        tensors[f"{name}.qweight"] = m.qweight.contiguous().cpu()
-        tensors[f"{name}.scales"] = m.scales.contiguous().cpu()
+        q, scales = m.int8_weights()
+        tensors[f"{name}.qweight"] = q.contiguous().cpu()
+        tensors[f"{name}.scales"] = scales.contiguous().cpu()
     tmp = path.with_suffix(".partial")
     save_file(tensors, str(tmp))
     tmp.replace(path)                      # atomic: never a half-written cache
@@ -131,9 +113,11 @@ def load(model: nn.Module, path) -> bool:
         return False
     for name, m in modules.items():
         q, s = tensors[f"{name}.qweight"], tensors[f"{name}.scales"]
-        if q.shape != m.weight.shape:
+        # (caches from before fp32 scales hold bf16 ones: rebuilt rather than trusted)
+        if q.shape != m.weight.shape or q.dtype != torch.int8 or s.dtype != torch.float32:
             return False
-        m.qweight, m.scales = q.to(m.weight.device), s.to(m.weight.device, m.act_dtype)
+    for name, m in modules.items():
+        m.set_int8(tensors[f"{name}.qweight"], tensors[f"{name}.scales"])
     return True
 
 

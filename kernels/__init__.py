@@ -1,8 +1,39 @@
-"""Attention kernels over the paged KV cache.
+"""Kernels of one transformer forward over the paged KV cache, in three backends.
 
-`reference` holds the pure-PyTorch versions: they define the semantics, run on CPU, and are the
-oracle for the Triton kernels beside them (imported lazily, since Triton is optional on CPU).
+`reference` holds the pure-PyTorch versions: they define the semantics, run anywhere, and are the
+oracle for the others. `triton_attention` replaces the attention ops on GPUs; `cpu` (C, built on
+first use) replaces all of them for small batches on CPUs. Triton and the C build are optional, so
+both are imported only when asked for.
 """
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+from . import reference
 from .reference import paged_attention, store_kv
 
-__all__ = ["paged_attention", "store_kv"]
+OPS = ("store_kv", "paged_attention", "rms_norm", "add_rms_norm", "rope", "silu_mul",
+       "linear", "linear_int8", "pack_int8", "unpack_int8", "int8_supported")
+BACKENDS = ("torch", "triton", "cpu")
+
+
+def load(name: str, cache_dir: Path | None = None) -> SimpleNamespace:
+    """The ops of a backend: its own where it has them, the reference's elsewhere.
+
+    Raises ImportError (no Triton) or cpu.KernelsUnavailable (no compiler, failed build)."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {name!r} ({', '.join(BACKENDS)})")
+    own: object = None
+    if name == "triton":
+        from . import triton_attention as own
+    elif name == "cpu":
+        from . import cpu
+        if cache_dir is None:
+            raise ValueError("the cpu backend needs a cache folder for its build")
+        own = cpu.CpuKernels(cpu.library(cache_dir))
+    ops = {op: getattr(own, op, None) or getattr(reference, op) for op in OPS}
+    return SimpleNamespace(name=name, **ops)
+
+
+__all__ = ["BACKENDS", "OPS", "load", "paged_attention", "store_kv"]

@@ -83,3 +83,84 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
     o = _sdpa(q.view(B, q.shape[1], 1, q.shape[2]), k, v, mask, scale)       # [B, H, 1, D]
     out.copy_(o.view(B, q.shape[1], q.shape[2]))
     return out
+
+
+# ---- the rest of a transformer layer's ops (the CPU kernels' twins) -----------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x), normalised in fp32 whatever the dtype (as Hugging Face's Llama does);
+    the fused aten op gives the same bits as the spelled-out formula."""
+    normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
+    return weight * normed.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next norm: (x + delta, rms_norm(x + delta))."""
+    x = x + delta
+    return x, rms_norm(x, weight, eps)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding (half-split layout of Hugging Face Llama). q: [T, H, D], k: [T, KVH, D],
+    cos/sin: [T, D]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate then up) -> silu(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    rows = x.shape[0]
+    if x.device.type == "cpu" and 1 < rows < 4:
+        # CPU BLAS runs a 2- or 3-row product as that many matrix-vector passes, each reading the
+        # whole weight (2-3.5x a single row, measured); padded to 4 rows it is one matrix product.
+        padded = torch.cat([x, x.new_zeros(4 - rows, x.shape[1])])
+        return F.linear(padded, weight, bias)[:rows]
+    return F.linear(x, weight, bias)
+
+
+# Int8 weights: canonical form is (q int8 [N, K], scales fp32 [N]), weight ~= scales[:, None] * q.
+# Each backend packs it into the layout its matmul wants; this one uses aten's int8 matmul,
+# which is fast with bf16 activations on CPU (its fp32 path is not).
+
+def _act_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cpu" else dtype
+
+
+def pack_int8(q: torch.Tensor, scales: torch.Tensor, act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return q, scales.to(_act_dtype(q.device, act_dtype))
+
+
+def unpack_int8(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return packed, scales.float()
+
+
+def linear_int8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    if packed.shape[1] % 16:
+        # aten's kernel needs a width that is a multiple of 16 (it crashes otherwise): dequantize.
+        return F.linear(x, packed.to(x.dtype) * scales.to(x.dtype)[:, None], bias)
+    y = torch.ops.aten._weight_int8pack_mm(x.to(scales.dtype), packed, scales).to(x.dtype)
+    return y + bias if bias is not None else y
+
+
+def int8_supported(device: torch.device) -> bool:
+    """Whether this torch build runs the int8 weight-only matmul on the device."""
+    try:
+        x = torch.zeros(1, 32, dtype=torch.bfloat16, device=device)
+        q = torch.zeros(8, 32, dtype=torch.int8, device=device)
+        torch.ops.aten._weight_int8pack_mm(x, q, torch.ones(8, dtype=torch.bfloat16, device=device))
+        return True
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False

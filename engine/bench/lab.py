@@ -111,7 +111,7 @@ def _decode_positions(engine: Engine, sizes: dict[str, Any], progress: Progress)
 
 
 def _int8(engine: Engine, sizes: dict[str, Any], progress: Progress) -> dict[str, Any]:
-    if not quant.int8_supported(engine.device):
+    if not engine.ops.int8_supported(engine.device):
         return {"available": False, "reason": f"this torch build has no int8 weight kernel on {engine.device}"}
     long = _prompt_ids(engine, sizes["quant_prompt"], seed=7)
     short = engine.encode("Write a story about a dragon.")

@@ -1,5 +1,5 @@
 """Our model against Hugging Face transformers on the same weights: greedy tokens identical,
-last-position logits within 1e-4 (fp32, CPU)."""
+last-position logits within 1e-4 (fp32, CPU), with PyTorch's ops and with the C kernels."""
 from __future__ import annotations
 
 import pytest
@@ -13,9 +13,11 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog", "Once upon a time, in 
            "def fibonacci(n):"]
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("preset", FAMILIES)
-def test_random_family_matches_transformers(preset):
-    with Engine(model=f"random:{preset}", telemetry=False, kv_cache_mb=8) as engine:
+def test_random_family_matches_transformers(preset, backend):
+    with Engine(model=f"random:{preset}", telemetry=False, kv_cache_mb=8, kernels=backend) as engine:
+        assert engine.ops.name == backend
         hf = hf_model_for(engine)
         greedy = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
         prompts = [engine.encode(p) for p in PROMPTS]

@@ -1,0 +1,223 @@
+"""The CPU backend: cpu_kernels.c, compiled once per machine and called through ctypes.
+
+Same functions and semantics as `reference` (tests compare them). Each falls back to its reference
+twin outside the cases the C code covers: fp32 only; matrix products for small row counts (decode
+batches, speculative verification: where BLAS streams weights slowly and per-op overhead
+dominates); attention for short query runs (long prefill chunks go to PyTorch's flash SDPA).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from . import reference
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+LINEAR_MAX_ROWS = 8        # above this BLAS's matrix-matrix products win (measured, README)
+ATTENTION_MAX_QUERY = 16   # longer query runs: flash SDPA
+QBLOCK = 64                # activation quantization block of the int8 product (cpu_kernels.c)
+
+
+class KernelsUnavailable(RuntimeError):
+    """No C compiler, a failed build, or a platform the kernels do not support."""
+
+
+def _cpu_identity() -> str:
+    """What -march=native compiles for: the CPU's feature flags, where the OS tells them."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.machine() + platform.processor()
+
+
+def build(cache_dir: Path, portable: bool = False) -> Path:
+    """Compile the kernels (once; the file name carries a hash of everything that matters)."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise KernelsUnavailable("no C compiler found (install gcc, or set CC)")
+    flags = [*FLAGS, *(["-DPDCHAT_PORTABLE"] if portable else [])]
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelsUnavailable(f"C compiler {compiler} does not run: {e}") from e
+    key = hashlib.sha1("\0".join([SOURCE.read_text(), version, *flags, _cpu_identity()]).encode()).hexdigest()
+    out = cache_dir / "kernels" / f"cpu_kernels-{key[:16]}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        partial = Path(tmp) / out.name
+        try:
+            done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(partial), "-lm"],
+                                  capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise KernelsUnavailable(f"building the CPU kernels failed: {e}") from e
+        if done.returncode != 0:
+            first = (done.stderr.strip().splitlines() or ["no output"])[0]
+            raise KernelsUnavailable(f"building the CPU kernels failed: {first}")
+        os.replace(partial, out)              # atomic: another process never loads half a file
+    return out
+
+
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "pd_has_vnni": ([], _I),
+    "pd_linear_f32": ([_P, _P, _P, _P, _I, _I, _I, _I], None),
+    "pd_linear_u8": ([_P, _P, _P, _P, _P, _I, _I, _I, _I], _I),
+    "pd_rms_norm": ([_P, _P, _P, _I, _I, _F], None),
+    "pd_add_rms_norm": ([_P, _P, _P, _P, _I, _I, _F], None),
+    "pd_rope": ([_P, _L, _I, _P, _L, _I, _P, _P, _I, _I], None),
+    "pd_silu_mul": ([_P, _P, _I, _I], None),
+    "pd_store_kv": ([_P, _L, _P, _L, _P, _P, _P, _I, _I, _I], None),
+    "pd_paged_attention": ([_P, _L, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _P, _I], None),
+}
+
+
+@functools.cache   # one shared library per process (the loader caches it anyway)
+def library(cache_dir: Path, portable: bool = False) -> ctypes.CDLL:
+    if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
+        raise KernelsUnavailable(f"no CPU kernels for {platform.machine()}")
+    try:
+        lib = ctypes.CDLL(str(build(cache_dir, portable)))
+    except OSError as e:
+        raise KernelsUnavailable(f"loading the CPU kernels failed: {e}") from e
+    for name, (args, res) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
+    return lib
+
+
+class CpuKernels:
+    """The backend's functions bound to one build of the library."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+
+    # -- helpers -------------------------------------------------------------------------------
+    @staticmethod
+    def _ok(*tensors: torch.Tensor | None) -> bool:
+        return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32) for t in tensors)
+
+    @staticmethod
+    def _rows(t: torch.Tensor) -> bool:
+        """Rows of contiguous [.., D] blocks at any row stride (views into a fused projection)."""
+        return t.stride(-1) == 1 and (t.dim() == 2 or t.stride(1) == t.shape[2])
+
+    # -- matrix products -------------------------------------------------------------------------
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[0] > LINEAR_MAX_ROWS or not self._ok(x, weight, bias) or not x.is_contiguous():
+            return reference.linear(x, weight, bias)
+        y = x.new_empty(x.shape[0], weight.shape[0])
+        self.lib.pd_linear_f32(x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
+                               y.data_ptr(), x.shape[0], weight.shape[0], x.shape[1], torch.get_num_threads())
+        return y
+
+    def pack_int8(self, q: torch.Tensor, scales: torch.Tensor,
+                  act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.shape[1] % QBLOCK or act_dtype != torch.float32 or q.device.type != "cpu":
+            return reference.pack_int8(q, scales, act_dtype)
+        # Offset binary (q + 128) for the unsigned x signed dot product: flipping the sign bit.
+        return q.view(torch.uint8) ^ 0x80, scales.float().contiguous()
+
+    @staticmethod
+    def unpack_int8(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if packed.dtype == torch.uint8:
+            return (packed ^ 0x80).view(torch.int8), scales.float()
+        return reference.unpack_int8(packed, scales)
+
+    def linear_int8(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+        if packed.dtype != torch.uint8 or not self._ok(x, bias):
+            return reference.linear_int8(x, packed, scales, bias)
+        x = x.contiguous()
+        y = x.new_empty(x.shape[0], packed.shape[0])
+        status = self.lib.pd_linear_u8(x.data_ptr(), packed.data_ptr(), scales.data_ptr(),
+                                       bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                       x.shape[0], packed.shape[0], x.shape[1], torch.get_num_threads())
+        if status != 0:
+            raise MemoryError("int8 matmul: out of memory for the quantized activations")
+        return y
+
+    @staticmethod
+    def int8_supported(device: torch.device) -> bool:
+        return device.type == "cpu" or reference.int8_supported(device)
+
+    # -- elementwise ---------------------------------------------------------------------------
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dim() != 2 or not x.is_contiguous() or not self._ok(x, weight):
+            return reference.rms_norm(x, weight, eps)
+        out = torch.empty_like(x)
+        self.lib.pd_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+        return out
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.dim() != 2 or not (x.is_contiguous() and delta.is_contiguous()) or not self._ok(x, delta, weight):
+            return reference.add_rms_norm(x, delta, weight, eps)
+        out = torch.empty_like(x)
+        # In place on x: the residual stream is an activation the forward owns.
+        self.lib.pd_add_rms_norm(x.data_ptr(), delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                 x.shape[0], x.shape[1], eps)
+        return x, out
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not (self._ok(q, k, cos, sin) and self._rows(q) and self._rows(k)
+                and cos.is_contiguous() and sin.is_contiguous()):
+            return reference.rope(q, k, cos, sin)
+        # In place: q and k are fresh projections (views into the qkv output).
+        self.lib.pd_rope(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1],
+                         cos.data_ptr(), sin.data_ptr(), q.shape[0], q.shape[2])
+        return q, k
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if not (self._ok(gate_up) and gate_up.is_contiguous()):
+            return reference.silu_mul(gate_up)
+        inter = gate_up.shape[1] // 2
+        out = gate_up.new_empty(gate_up.shape[0], inter)
+        self.lib.pd_silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter)
+        return out
+
+    # -- attention -------------------------------------------------------------------------------
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        if not (self._ok(k, v, k_cache, v_cache) and self._rows(k) and self._rows(v)
+                and k_cache.is_contiguous() and v_cache.is_contiguous()
+                and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()):
+            return reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        self.lib.pd_store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
+                             v_cache.data_ptr(), slot_mapping.data_ptr(), k.shape[0], k.shape[1], k.shape[2])
+
+    def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                        context_lens: torch.Tensor, scale: float, *,
+                        query_lens_host: list[int] | None = None,
+                        context_lens_host: list[int] | None = None) -> torch.Tensor:
+        qlens = query_lens_host or (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+        if (max(qlens) > ATTENTION_MAX_QUERY or q.shape[2] > 512 or not self._ok(q, k_cache, v_cache)
+                or not self._rows(q) or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+            return reference.paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+                                             scale, query_lens_host=qlens, context_lens_host=context_lens_host)
+        tables = block_tables.to(torch.int32).contiguous()
+        cu_q = query_start_loc.to(torch.int32).contiguous()
+        ctx = context_lens.to(torch.int32).contiguous()
+        T, H, D = q.shape
+        out = q.new_empty(T, H, D)
+        self.lib.pd_paged_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                    tables.data_ptr(), tables.shape[1], cu_q.data_ptr(), ctx.data_ptr(),
+                                    len(qlens), H, k_cache.shape[2], D, k_cache.shape[1], scale,
+                                    out.data_ptr(), torch.get_num_threads())
+        return out

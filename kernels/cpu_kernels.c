@@ -1,0 +1,263 @@
+/* pdchat CPU kernels: the small-batch decode path, where PyTorch's per-op overhead and its BLAS
+ * matrix-vector products (about a third of this machine's memory bandwidth) dominate a step.
+ *
+ * Built on first use by kernels/cpu.py with the system C compiler (-O3 -march=native -fopenmp)
+ * and called through ctypes. Every function has a PyTorch twin in kernels/reference.py with the
+ * same semantics; tests compare the two. All tensors are fp32 and row-major unless noted; row
+ * strides are in elements. `threads` is passed explicitly because OpenMP's thread count is
+ * per-thread state and the engine steps on its own thread.
+ *
+ * Two instruction paths: AVX-512 (+VNNI for int8) intrinsics where the compiler targets them,
+ * and portable C with `omp simd` loops everywhere else (compile with -DPDCHAT_PORTABLE to force it).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(PDCHAT_PORTABLE)
+#include <immintrin.h>
+#define PD_VNNI 1
+#endif
+
+#define QBLOCK 64  /* int8 activations: one scale per block of 64 values, so an outlier spoils one block */
+
+int pd_has_vnni(void) {
+#ifdef PD_VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static inline float dot_f32(const float *a, const float *b, int n) {
+    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+    for (int i = 0; i < n; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+/* y[M, N] = x[M, K] @ w[N, K]^T + bias. One weight row is streamed from memory once and reused
+ * from L1 for all M activation rows (M is a decode batch or a speculative verify: small). */
+void pd_linear_f32(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
+                   int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int n = 0; n < N; n++) {
+        const float *wr = w + (int64_t)n * K;
+        float b = bias ? bias[n] : 0.f;
+        for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = dot_f32(x + (int64_t)m * K, wr, K) + b;
+    }
+}
+
+/* Activations in int8, in blocks of 64 values with one scale each, as two parts: x ~= s * (hi + lo / 254)
+ * where hi = round(x / s) and lo is the rounded remainder. With both parts the product is as exact
+ * as fp32 activations to about 1e-5 of the block's largest value (hi alone: 4e-3, which flips
+ * greedy near-ties often), at twice the integer work but the same weight traffic.
+ * corr[m] = 128 * sum_b s_b * (sum(hi_b) + sum(lo_b) / 254) undoes the +128 offset of the weights. */
+#define LO_SCALE 254.f
+static void quantize_rows(const float *x, int M, int K, int8_t *hi, int8_t *lo, float *xs, float *corr) {
+    int nb = K / QBLOCK;
+    for (int m = 0; m < M; m++) {
+        float c = 0.f;
+        for (int b = 0; b < nb; b++) {
+            int64_t at = (int64_t)m * K + b * QBLOCK;
+            const float *p = x + at;
+            float amax = 0.f;
+            for (int i = 0; i < QBLOCK; i++) amax = fmaxf(amax, fabsf(p[i]));
+            float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+            int sum_hi = 0, sum_lo = 0;
+            for (int i = 0; i < QBLOCK; i++) {
+                float v = p[i] * inv;
+                int h = (int)lrintf(v);
+                int l = (int)lrintf((v - (float)h) * LO_SCALE);
+                hi[at + i] = (int8_t)h;
+                lo[at + i] = (int8_t)(l > 127 ? 127 : l < -127 ? -127 : l);
+                sum_hi += h;
+                sum_lo += lo[at + i];
+            }
+            xs[m * nb + b] = s;
+            c += s * ((float)sum_hi + (float)sum_lo / LO_SCALE);
+        }
+        corr[m] = 128.f * c;
+    }
+}
+
+/* One output: sum_b xs_b * <w_row(b), hi(b) + lo(b) / 254> with w stored as u8 = q + 128. */
+static inline float dot_u8_blocks(const uint8_t *wr, const int8_t *hi, const int8_t *lo, const float *xs, int nb) {
+#ifdef PD_VNNI
+    __m512 f = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        __m512i w = _mm512_loadu_si512(wr + b * QBLOCK);
+        __m512i ah = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(hi + b * QBLOCK));
+        __m512i al = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(lo + b * QBLOCK));
+        __m512 part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(al), _mm512_set1_ps(1.f / LO_SCALE), _mm512_cvtepi32_ps(ah));
+        f = _mm512_fmadd_ps(part, _mm512_set1_ps(xs[b]), f);
+    }
+    return _mm512_reduce_add_ps(f);
+#else
+    float f = 0.f;
+    for (int b = 0; b < nb; b++) {
+        int32_t ah = 0, al = 0;
+#pragma omp simd reduction(+ : ah, al)
+        for (int i = 0; i < QBLOCK; i++) {
+            int32_t w = wr[b * QBLOCK + i];
+            ah += w * (int32_t)hi[b * QBLOCK + i];
+            al += w * (int32_t)lo[b * QBLOCK + i];
+        }
+        f += ((float)ah + (float)al / LO_SCALE) * xs[b];
+    }
+    return f;
+#endif
+}
+
+/* y[M, N] = x[M, K] @ (scales[N] * q[N, K])^T + bias, weights int8 stored as u8 (q + 128) so that
+ * the unsigned-by-signed VNNI dot product applies. K must be a multiple of 64. Returns -1 if out
+ * of memory (the caller raises). */
+int pd_linear_u8(const float *x, const uint8_t *w, const float *scales, const float *bias, float *y,
+                 int M, int N, int K, int threads) {
+    int nb = K / QBLOCK;
+    int8_t *hi = malloc((size_t)2 * M * K);
+    float *xs = malloc(sizeof(float) * ((size_t)M * nb + M));
+    if (!hi || !xs) {
+        free(hi);
+        free(xs);
+        return -1;
+    }
+    int8_t *lo = hi + (size_t)M * K;
+    float *corr = xs + (size_t)M * nb;
+    quantize_rows(x, M, K, hi, lo, xs, corr);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int n = 0; n < N; n++) {
+        const uint8_t *wr = w + (int64_t)n * K;
+        float b = bias ? bias[n] : 0.f;
+        for (int m = 0; m < M; m++) {
+            int64_t at = (int64_t)m * K;
+            float acc = dot_u8_blocks(wr, hi + at, lo + at, xs + m * nb, nb);
+            y[(int64_t)m * N + n] = (acc - corr[m]) * scales[n] + b;
+        }
+    }
+    free(hi);
+    free(xs);
+    return 0;
+}
+
+static inline float inv_rms(const float *x, int D, float eps) {
+    float ss = dot_f32(x, x, D);
+    return 1.f / sqrtf(ss / (float)D + eps);
+}
+
+/* out[t] = w * x[t] / rms(x[t]) */
+void pd_rms_norm(const float *x, const float *w, float *out, int T, int D, float eps) {
+    for (int t = 0; t < T; t++) {
+        const float *xr = x + (int64_t)t * D;
+        float *o = out + (int64_t)t * D;
+        float r = inv_rms(xr, D, eps);
+#pragma omp simd
+        for (int i = 0; i < D; i++) o[i] = w[i] * (xr[i] * r);
+    }
+}
+
+/* x[t] += delta[t] (in place: x is the residual stream); out[t] = w * x[t] / rms(x[t]) */
+void pd_add_rms_norm(float *x, const float *delta, const float *w, float *out, int T, int D, float eps) {
+    for (int t = 0; t < T; t++) {
+        float *xr = x + (int64_t)t * D;
+        const float *dr = delta + (int64_t)t * D;
+#pragma omp simd
+        for (int i = 0; i < D; i++) xr[i] += dr[i];
+    }
+    pd_rms_norm(x, w, out, T, D, eps);
+}
+
+/* Rotary embedding, half-split layout, in place on q [T, H, D] and k [T, KVH, D] whose token rows
+ * are `q_stride` / `k_stride` apart (views into the fused qkv output); cos/sin: [T, D]. */
+void pd_rope(float *q, int64_t q_stride, int H, float *k, int64_t k_stride, int KVH, const float *cos,
+             const float *sin, int T, int D) {
+    int half = D / 2;
+    for (int t = 0; t < T; t++) {
+        const float *c = cos + (int64_t)t * D, *s = sin + (int64_t)t * D;
+        for (int h = 0; h < H + KVH; h++) {
+            float *x = h < H ? q + t * q_stride + (int64_t)h * D : k + t * k_stride + (int64_t)(h - H) * D;
+#pragma omp simd
+            for (int i = 0; i < half; i++) {
+                float x1 = x[i], x2 = x[i + half];
+                x[i] = x1 * c[i] - x2 * s[i];
+                x[i + half] = x2 * c[i + half] + x1 * s[i + half];
+            }
+        }
+    }
+}
+
+/* out[t, i] = silu(gu[t, i]) * gu[t, I + i] */
+void pd_silu_mul(const float *gu, float *out, int T, int I) {
+    for (int t = 0; t < T; t++) {
+        const float *g = gu + (int64_t)t * 2 * I, *u = g + I;
+        float *o = out + (int64_t)t * I;
+#pragma omp simd
+        for (int i = 0; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+}
+
+/* Write k[t], v[t] ([KVH, D] rows, strided) to cache slot slots[t]; slot -1 is skipped.
+ * Cache layout per layer: [num_blocks * block_size, KVH, D]. */
+void pd_store_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *k_cache,
+                 float *v_cache, const int64_t *slots, int T, int KVH, int D) {
+    size_t row = (size_t)KVH * D;
+    for (int t = 0; t < T; t++) {
+        if (slots[t] < 0) continue;
+        memcpy(k_cache + slots[t] * row, k + t * k_stride, row * sizeof(float));
+        memcpy(v_cache + slots[t] * row, v + t * v_stride, row * sizeof(float));
+    }
+}
+
+#define KEY_TILE 32
+#define MAX_HEAD_DIM 512
+
+/* Paged attention for a flat ragged batch (semantics in kernels/reference.py): query j of
+ * sequence s sits at position ctx[s] - n_s + j and attends keys 0..position. Online softmax over
+ * tiles of keys; one (token, head) pair per work item. q rows are q_stride apart; out is [T, H, D]. */
+void pd_paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                        const int32_t *tables, int max_blocks, const int32_t *cu_q, const int32_t *ctx,
+                        int S, int H, int KVH, int D, int bs, float scale, float *out, int threads) {
+    int T = cu_q[S];
+    int group = H / KVH;
+    size_t row = (size_t)KVH * D;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int item = 0; item < T * H; item++) {
+        int t = item / H, h = item % H, s = 0;
+        while (cu_q[s + 1] <= t) s++;
+        int pos = ctx[s] - (cu_q[s + 1] - cu_q[s]) + (t - cu_q[s]);
+        const float *qv = q + t * q_stride + (int64_t)h * D;
+        const int32_t *table = tables + (int64_t)s * max_blocks;
+        size_t head = (size_t)(h / group) * D;
+        float acc[MAX_HEAD_DIM], sc[KEY_TILE];
+        float m = -INFINITY, l = 0.f;
+        for (int i = 0; i < D; i++) acc[i] = 0.f;
+        for (int j0 = 0; j0 <= pos; j0 += KEY_TILE) {
+            int n = pos + 1 - j0 < KEY_TILE ? pos + 1 - j0 : KEY_TILE;
+            float tile_max = -INFINITY;
+            for (int j = 0; j < n; j++) {
+                int key = j0 + j;
+                const float *kr = k_cache + ((size_t)table[key / bs] * bs + key % bs) * row + head;
+                sc[j] = dot_f32(qv, kr, D) * scale;
+                tile_max = fmaxf(tile_max, sc[j]);
+            }
+            float m_new = fmaxf(m, tile_max), rescale = expf(m - m_new);
+            l *= rescale;
+#pragma omp simd
+            for (int i = 0; i < D; i++) acc[i] *= rescale;
+            for (int j = 0; j < n; j++) {
+                int key = j0 + j;
+                const float *vr = v_cache + ((size_t)table[key / bs] * bs + key % bs) * row + head;
+                float p = expf(sc[j] - m_new);
+                l += p;
+#pragma omp simd
+                for (int i = 0; i < D; i++) acc[i] += p * vr[i];
+            }
+            m = m_new;
+        }
+        float *o = out + ((int64_t)t * H + h) * D;
+        float inv = 1.f / l;
+#pragma omp simd
+        for (int i = 0; i < D; i++) o[i] = acc[i] * inv;
+    }
+}

@@ -1,0 +1,147 @@
+"""The C CPU kernels against kernels.reference, in both builds (AVX-512/VNNI where this CPU has it,
+and the portable C one), on the strided views and ragged batches the engine feeds them."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdchat import kernels
+from pdchat.kernels import cpu, reference
+
+from .batch import Batch
+
+TOL = dict(atol=1e-5, rtol=1e-4)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["native", "portable"])
+def ops(request, tmp_path_factory):
+    lib = cpu.library(tmp_path_factory.mktemp("kernels"), portable=request.param)
+    if request.param:
+        assert lib.pd_has_vnni() == 0                 # really the portable code path
+    return cpu.CpuKernels(lib)
+
+
+def rand(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("rows", [1, 3, cpu.LINEAR_MAX_ROWS])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_reference(ops, rows, bias):
+    x, w = rand(rows, 192), rand(80, 192, seed=1)
+    b = rand(80, seed=2) if bias else None
+    torch.testing.assert_close(ops.linear(x, w, b), reference.linear(x, w, b), **TOL)
+
+
+def test_linear_beyond_small_batches_is_blas(ops):
+    x, w = rand(cpu.LINEAR_MAX_ROWS + 1, 64), rand(32, 64, seed=1)
+    assert torch.equal(ops.linear(x, w), reference.linear(x, w))
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_int8_product_is_as_exact_as_fp32_activations(ops, rows):
+    w = rand(96, 256, seed=3) * torch.linspace(0.1, 4, 96)[:, None]
+    q, scales = quantize(w)
+    x = rand(rows, 256, seed=4)
+    x[:, 7] *= 50                                   # an outlier channel, as LLM activations have
+    packed, packed_scales = ops.pack_int8(q, scales, torch.float32)
+    assert packed.dtype == torch.uint8
+    bias = rand(96, seed=5)
+    exact = x @ (q.float() * scales[:, None]).T + bias
+    got = ops.linear_int8(x, packed, packed_scales, bias)
+    # Two-part int8 activations: error ~1e-5 of the row's largest value (one part alone: ~4e-3).
+    assert (got - exact).abs().max() < 1e-4 * exact.abs().max()
+    back_q, back_scales = ops.unpack_int8(packed, packed_scales)
+    assert torch.equal(back_q, q) and torch.equal(back_scales, scales)
+
+
+def test_int8_width_not_a_multiple_of_64_uses_aten(ops):
+    q, scales = quantize(rand(16, 40))
+    packed, packed_scales = ops.pack_int8(q, scales, torch.float32)
+    assert packed.dtype == torch.int8                # the reference layout
+    x = rand(2, 40, seed=1)
+    torch.testing.assert_close(ops.linear_int8(x, packed, packed_scales),
+                               reference.linear_int8(x, packed, packed_scales))
+
+
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from pdchat.engine.quant import quantize_int8
+    return quantize_int8(w)
+
+
+def test_norms_match_reference(ops):
+    x, delta, w = rand(5, 96), rand(5, 96, seed=1), rand(96, seed=2)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5), **TOL)
+    want_sum, want_norm = reference.add_rms_norm(x, delta, w, 1e-6)
+    got_sum, got_norm = ops.add_rms_norm(x.clone(), delta, w, 1e-6)
+    torch.testing.assert_close(got_sum, want_sum, **TOL)
+    torch.testing.assert_close(got_norm, want_norm, **TOL)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 32), (9, 3, 64), (8, 2, 16)])
+def test_rope_on_views_of_a_fused_projection(ops, heads, kv_heads, head_dim):
+    T = 6
+    qkv = rand(T, (heads + 2 * kv_heads) * head_dim)
+    q = qkv[:, : heads * head_dim].view(T, heads, head_dim)
+    k = qkv[:, heads * head_dim: (heads + kv_heads) * head_dim].view(T, kv_heads, head_dim)
+    v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
+    angles = rand(T, head_dim // 2, seed=1)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    want_q, want_k = reference.rope(q.clone(), k.clone(), cos, sin)
+    got_q, got_k = ops.rope(q, k, cos, sin)
+    torch.testing.assert_close(got_q, want_q, **TOL)
+    torch.testing.assert_close(got_k, want_k, **TOL)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)   # v untouched
+
+
+def test_silu_mul_matches_reference(ops):
+    gate_up = rand(3, 2 * 48) * 4
+    torch.testing.assert_close(ops.silu_mul(gate_up), reference.silu_mul(gate_up), **TOL)
+
+
+def test_store_kv_skips_padding_slots_and_reads_strided_rows(ops):
+    qkv = rand(4, 3 * 2 * 8)
+    k = qkv[:, 16:32].view(4, 2, 8)
+    v = qkv[:, 32:].view(4, 2, 8)
+    slots = torch.tensor([5, -1, 0, 11])
+    caches = [torch.zeros(3, 4, 2, 8) for _ in range(4)]
+    reference.store_kv(k, v, caches[0], caches[1], slots)
+    ops.store_kv(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[2].view(-1, 2, 8)[1:5].abs().sum() == 0     # the skipped row wrote nothing
+
+
+@pytest.mark.parametrize("qlens,clens", [
+    ([1], [1]),                                     # first decode step
+    ([1, 1, 1], [17, 3, 40]),                       # decode batch, ragged contexts
+    ([5, 1, 16], [5, 33, 48]),                      # prefill from scratch, decode, 16-token verify
+    ([3, 2], [20, 2]),                              # chunks over a cached prefix
+])
+@pytest.mark.parametrize("kv_heads,group,head_dim", [(2, 1, 16), (1, 4, 32), (3, 3, 64)])
+def test_paged_attention_matches_reference(ops, qlens, clens, kv_heads, group, head_dim):
+    batch = Batch(qlens, clens, kv_heads, group, head_dim, block_size=8, dtype=torch.float32)
+    scale = head_dim ** -0.5
+    out = ops.paged_attention(*batch.args("cpu"), scale, query_lens_host=qlens, context_lens_host=clens)
+    torch.testing.assert_close(out, batch.expected(scale), **TOL)
+
+
+def test_long_query_runs_go_to_flash_sdpa(ops):
+    qlens = [cpu.ATTENTION_MAX_QUERY + 1]
+    batch = Batch(qlens, qlens, 1, 2, 16, block_size=8, dtype=torch.float32)
+    out = ops.paged_attention(*batch.args("cpu"), 0.25)
+    assert torch.equal(out, batch.expected(0.25))
+
+
+def test_backend_table_fills_gaps_with_reference(tmp_path):
+    torch_ops, cpu_ops = kernels.load("torch"), kernels.load("cpu", tmp_path)
+    assert torch_ops.rms_norm is reference.rms_norm
+    assert cpu_ops.rms_norm.__self__.__class__ is cpu.CpuKernels
+    assert set(kernels.OPS) <= set(vars(cpu_ops))
+    with pytest.raises(ValueError):
+        kernels.load("cuda-magic")
+
+
+def test_build_failure_is_a_typed_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(cpu.KernelsUnavailable):
+        cpu.build(tmp_path)
