@@ -6,6 +6,7 @@ state is touched by the loop thread only; other threads talk to it through an in
 """
 from __future__ import annotations
 
+import atexit
 import itertools
 import queue
 import sys
@@ -100,6 +101,9 @@ class Engine:
         self._generator = torch.Generator(device=self.device).manual_seed(torch.seed() % 2**63)
         self._thread = threading.Thread(target=self._loop, name="pdchat-engine", daemon=True)
         self._thread.start()
+        # A script that never closes the engine would otherwise exit with the step thread still
+        # inside torch, which aborts the process ("terminate called without an active exception").
+        atexit.register(self.close)
 
     # ---- sizing ---------------------------------------------------------------------------
     def _chunk(self, chunk_size: int | None | str) -> int | None:
@@ -327,6 +331,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.close)
         self._wake.set()
         self._thread.join(timeout=30)
         if self.monitor is not None:

@@ -77,10 +77,10 @@ _SIGNATURES = {
     "pd_has_vnni": ([], _I),
     "pd_linear_f32": ([_P, _P, _P, _P, _I, _I, _I, _I], None),
     "pd_linear_u8": ([_P, _P, _P, _P, _P, _I, _I, _I, _I], _I),
-    "pd_rms_norm": ([_P, _P, _P, _I, _I, _F], None),
-    "pd_add_rms_norm": ([_P, _P, _P, _P, _I, _I, _F], None),
-    "pd_rope": ([_P, _L, _I, _P, _L, _I, _P, _P, _I, _I], None),
-    "pd_silu_mul": ([_P, _P, _I, _I], None),
+    "pd_rms_norm": ([_P, _P, _P, _I, _I, _F, _I], None),
+    "pd_add_rms_norm": ([_P, _P, _P, _P, _I, _I, _F, _I], None),
+    "pd_rope": ([_P, _L, _I, _P, _L, _I, _P, _P, _I, _I, _I], None),
+    "pd_silu_mul": ([_P, _P, _I, _I, _I], None),
     "pd_store_kv": ([_P, _L, _P, _L, _P, _P, _P, _I, _I, _I], None),
     "pd_paged_attention": ([_P, _L, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _P, _I], None),
 }
@@ -160,7 +160,8 @@ class CpuKernels:
         if x.dim() != 2 or not x.is_contiguous() or not self._ok(x, weight):
             return reference.rms_norm(x, weight, eps)
         out = torch.empty_like(x)
-        self.lib.pd_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+        self.lib.pd_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
+                             torch.get_num_threads())
         return out
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
@@ -170,7 +171,7 @@ class CpuKernels:
         out = torch.empty_like(x)
         # In place on x: the residual stream is an activation the forward owns.
         self.lib.pd_add_rms_norm(x.data_ptr(), delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                                 x.shape[0], x.shape[1], eps)
+                                 x.shape[0], x.shape[1], eps, torch.get_num_threads())
         return x, out
 
     def rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
@@ -180,7 +181,7 @@ class CpuKernels:
             return reference.rope(q, k, cos, sin)
         # In place: q and k are fresh projections (views into the qkv output).
         self.lib.pd_rope(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1],
-                         cos.data_ptr(), sin.data_ptr(), q.shape[0], q.shape[2])
+                         cos.data_ptr(), sin.data_ptr(), q.shape[0], q.shape[2], torch.get_num_threads())
         return q, k
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -188,7 +189,7 @@ class CpuKernels:
             return reference.silu_mul(gate_up)
         inter = gate_up.shape[1] // 2
         out = gate_up.new_empty(gate_up.shape[0], inter)
-        self.lib.pd_silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter)
+        self.lib.pd_silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter, torch.get_num_threads())
         return out
 
     # -- attention -------------------------------------------------------------------------------

@@ -146,8 +146,13 @@ static inline float inv_rms(const float *x, int D, float eps) {
     return 1.f / sqrtf(ss / (float)D + eps);
 }
 
+/* Elementwise work is split over tokens only for prefill-sized runs: waking threads costs more
+ * than one token's worth. */
+#define PAR_TOKENS 8
+
 /* out[t] = w * x[t] / rms(x[t]) */
-void pd_rms_norm(const float *x, const float *w, float *out, int T, int D, float eps) {
+void pd_rms_norm(const float *x, const float *w, float *out, int T, int D, float eps, int threads) {
+#pragma omp parallel for num_threads(threads) if (T >= PAR_TOKENS)
     for (int t = 0; t < T; t++) {
         const float *xr = x + (int64_t)t * D;
         float *o = out + (int64_t)t * D;
@@ -158,21 +163,24 @@ void pd_rms_norm(const float *x, const float *w, float *out, int T, int D, float
 }
 
 /* x[t] += delta[t] (in place: x is the residual stream); out[t] = w * x[t] / rms(x[t]) */
-void pd_add_rms_norm(float *x, const float *delta, const float *w, float *out, int T, int D, float eps) {
+void pd_add_rms_norm(float *x, const float *delta, const float *w, float *out, int T, int D, float eps,
+                     int threads) {
+#pragma omp parallel for num_threads(threads) if (T >= PAR_TOKENS)
     for (int t = 0; t < T; t++) {
         float *xr = x + (int64_t)t * D;
         const float *dr = delta + (int64_t)t * D;
 #pragma omp simd
         for (int i = 0; i < D; i++) xr[i] += dr[i];
     }
-    pd_rms_norm(x, w, out, T, D, eps);
+    pd_rms_norm(x, w, out, T, D, eps, threads);
 }
 
 /* Rotary embedding, half-split layout, in place on q [T, H, D] and k [T, KVH, D] whose token rows
  * are `q_stride` / `k_stride` apart (views into the fused qkv output); cos/sin: [T, D]. */
 void pd_rope(float *q, int64_t q_stride, int H, float *k, int64_t k_stride, int KVH, const float *cos,
-             const float *sin, int T, int D) {
+             const float *sin, int T, int D, int threads) {
     int half = D / 2;
+#pragma omp parallel for num_threads(threads) if (T >= PAR_TOKENS)
     for (int t = 0; t < T; t++) {
         const float *c = cos + (int64_t)t * D, *s = sin + (int64_t)t * D;
         for (int h = 0; h < H + KVH; h++) {
@@ -188,7 +196,8 @@ void pd_rope(float *q, int64_t q_stride, int H, float *k, int64_t k_stride, int 
 }
 
 /* out[t, i] = silu(gu[t, i]) * gu[t, I + i] */
-void pd_silu_mul(const float *gu, float *out, int T, int I) {
+void pd_silu_mul(const float *gu, float *out, int T, int I, int threads) {
+#pragma omp parallel for num_threads(threads) if (T >= PAR_TOKENS)
     for (int t = 0; t < T; t++) {
         const float *g = gu + (int64_t)t * 2 * I, *u = g + I;
         float *o = out + (int64_t)t * I;

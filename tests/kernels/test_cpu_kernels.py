@@ -69,8 +69,9 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_int8(w)
 
 
-def test_norms_match_reference(ops):
-    x, delta, w = rand(5, 96), rand(5, 96, seed=1), rand(96, seed=2)
+@pytest.mark.parametrize("T", [5, 40])              # a decode batch; a prefill run split over threads
+def test_norms_match_reference(ops, T):
+    x, delta, w = rand(T, 96), rand(T, 96, seed=1), rand(96, seed=2)
     torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5), **TOL)
     want_sum, want_norm = reference.add_rms_norm(x, delta, w, 1e-6)
     got_sum, got_norm = ops.add_rms_norm(x.clone(), delta, w, 1e-6)
@@ -78,9 +79,9 @@ def test_norms_match_reference(ops):
     torch.testing.assert_close(got_norm, want_norm, **TOL)
 
 
+@pytest.mark.parametrize("T", [6, 33])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 32), (9, 3, 64), (8, 2, 16)])
-def test_rope_on_views_of_a_fused_projection(ops, heads, kv_heads, head_dim):
-    T = 6
+def test_rope_on_views_of_a_fused_projection(ops, heads, kv_heads, head_dim, T):
     qkv = rand(T, (heads + 2 * kv_heads) * head_dim)
     q = qkv[:, : heads * head_dim].view(T, heads, head_dim)
     k = qkv[:, heads * head_dim: (heads + kv_heads) * head_dim].view(T, kv_heads, head_dim)
@@ -94,8 +95,9 @@ def test_rope_on_views_of_a_fused_projection(ops, heads, kv_heads, head_dim):
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)   # v untouched
 
 
-def test_silu_mul_matches_reference(ops):
-    gate_up = rand(3, 2 * 48) * 4
+@pytest.mark.parametrize("T", [3, 20])
+def test_silu_mul_matches_reference(ops, T):
+    gate_up = rand(T, 2 * 48) * 4
     torch.testing.assert_close(ops.silu_mul(gate_up), reference.silu_mul(gate_up), **TOL)
 
 
