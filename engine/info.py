@@ -18,6 +18,15 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
+def _cpu_kernels() -> str:
+    from pdchat.kernels import cpu
+    try:
+        lib = cpu.library(paths.cache_dir())
+    except cpu.KernelsUnavailable as e:
+        return f"unavailable ({e}); PyTorch ops are used"
+    return "C, AVX-512 VNNI" if lib.pd_has_vnni() else "C, portable (no AVX-512 VNNI)"
+
+
 def info() -> dict[str, str]:
     out = {
         "pdchat": _version("pdchat"),
@@ -28,6 +37,7 @@ def info() -> dict[str, str]:
         "triton": _version("triton"),
         "textual": _version("textual"),
         "cpu threads": str(torch.get_num_threads()),
+        "cpu kernels": _cpu_kernels(),
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)

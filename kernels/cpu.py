@@ -45,9 +45,10 @@ def _cpu_identity() -> str:
 
 def build(cache_dir: Path, portable: bool = False) -> Path:
     """Compile the kernels (once; the file name carries a hash of everything that matters)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    wanted = os.environ.get("CC")
+    compiler = shutil.which(wanted) if wanted else shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        raise KernelsUnavailable("no C compiler found (install gcc, or set CC)")
+        raise KernelsUnavailable(f"no C compiler found ({'CC=' + wanted if wanted else 'install gcc, or set CC'})")
     flags = [*FLAGS, *(["-DPDCHAT_PORTABLE"] if portable else [])]
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout

@@ -147,3 +147,12 @@ def test_build_failure_is_a_typed_error(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     with pytest.raises(cpu.KernelsUnavailable):
         cpu.build(tmp_path)
+
+
+def test_info_names_the_build_or_why_there_is_none(tmp_path, monkeypatch):
+    from pdchat.engine.info import info
+    monkeypatch.setenv("PDCHAT_CACHE_DIR", str(tmp_path / "ok"))
+    assert info()["cpu kernels"].startswith("C, ")
+    monkeypatch.setenv("PDCHAT_CACHE_DIR", str(tmp_path / "broken"))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert info()["cpu kernels"].startswith("unavailable (no C compiler")
