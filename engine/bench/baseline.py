@@ -1,5 +1,6 @@
 """`pdchat bench baseline`: pdchat vs Hugging Face `generate()` on the same weights, device, dtype
-and prompts, interleaved in one run (so machine noise hits both alike)."""
+and prompts, interleaved in one run (so machine noise hits both alike). With llama-cpp-python
+installed, llama.cpp on the same GGUF joins the same rounds (see llamacpp_peer)."""
 from __future__ import annotations
 
 import time
@@ -12,7 +13,7 @@ from .. import quant
 from ..config import EngineConfig, SamplingParams
 from ..engine import Engine
 from ..hf_reference import hf_generate, hf_model_for
-from . import Progress, filler_text, median, ratio
+from . import Progress, filler_text, llamacpp_peer, median, ratio
 
 
 def _timed(fn, *args) -> float:
@@ -27,6 +28,7 @@ def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, A
     decode_tokens, prefill_len, repeats = (16, 128, 1) if quick else (128, 1024, 3)
     # No prefix cache: every repeat must really prefill.
     engine = Engine(replace(config, telemetry=False, prefix_cache=False), say=lambda m: None)
+    peer, peer_reason = None, None
     try:
         progress("loading transformers", 0.0)
         hf = hf_model_for(engine, dtype=engine.dtype, device=engine.device)
@@ -36,7 +38,16 @@ def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, A
         one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
         engine.submit(short, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)).result()   # warm-up
         hf_generate(hf, short, 4)
-        int8 = quant.int8_supported(engine.device)
+        if engine.device.type == "cpu":
+            progress("loading llama.cpp", 0.0)
+            peer, peer_reason = llamacpp_peer.open_peer(config.model, threads=torch.get_num_threads(),
+                                                        n_ctx=max(2048, prefill_len + 64))
+            if peer:
+                peer.greedy(short, 4)                                                          # warm-up
+        else:
+            peer_reason = "the llama.cpp peer is measured on CPU only"
+        peer_decode, peer_prefill = [], []
+        int8 = engine.ops.int8_supported(engine.device)
         ours_decode, ours_int8, hf_decode, ours_prefill, hf_prefill, ours_ttft, hf_ttft = [], [], [], [], [], [], []
         for r in range(repeats):
             progress(f"round {r + 1}/{repeats}", r / repeats)
@@ -54,6 +65,9 @@ def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, A
             t = _timed(hf_generate, hf, long, 1)
             hf_ttft.append(t * 1000)
             hf_prefill.append(len(long) / t)
+            if peer:
+                peer_decode.append(peer.decode(short, decode_tokens))
+                peer_prefill.append(peer.prefill(long))
         progress("done", 1.0)
         od, hd = median(ours_decode), median(hf_decode)
         op, hp = median(ours_prefill), median(hf_prefill)
@@ -77,6 +91,10 @@ def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, A
             "prefill": {"pdchat_tok_s": op, "hf_tok_s": hp, "ratio": ratio(op, hp),
                         "pdchat_ttft_ms": median(ours_ttft), "hf_ttft_ms": median(hf_ttft),
                         "goal": ">= 1.0x", "met": ratio(op, hp) >= 1.0},
+            "llamacpp": llamacpp_peer.section(peer, peer_reason, peer_decode, peer_prefill,
+                                              int8_tok_s=o8, fp32_tok_s=od, prefill_tok_s=op),
         }
     finally:
+        if peer:
+            peer.close()
         engine.close()

