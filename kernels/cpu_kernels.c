@@ -20,6 +20,12 @@
 #define PD_VNNI 1
 #endif
 
+/* A parallel region costs tens of microseconds when OpenMP's workers have gone to sleep, which
+ * they do quickly once more than one thread (the UI's, the engine's) has used OpenMP. So a product
+ * is split over threads only when it is big: on the 2-core test machine splitting every product of
+ * a SmolLM2-135M decode step made it 1.4x slower than splitting only those of >= 2M multiply-adds
+ * (in practice the LM head). */
+#define PAR_MIN_MACS (2LL << 20)
 #define QBLOCK 64  /* int8 activations: one scale per block of 64 values, so an outlier spoils one block */
 
 int pd_has_vnni(void) {
@@ -28,6 +34,28 @@ int pd_has_vnni(void) {
 #else
     return 0;
 #endif
+}
+
+/* exp for float in a form the compiler vectorizes (libm's expf is a scalar call): exp(x) = 2^n e^r
+ * with n = round(x / ln 2) and r = x - n ln 2 (in two parts, so r stays exact), e^r by its Taylor
+ * series to r^6 (|r| <= 0.35: relative error ~1e-7, like expf). Arguments are clamped to the float
+ * range; below it the result is ~1e-38 instead of a denormal or 0, which no caller can tell apart. */
+static inline float exp_fast(float x) {
+    x = fminf(fmaxf(x, -87.f), 88.f);
+    float n = rintf(x * 1.44269504f);
+    float r = fmaf(n, -0.693145751953125f, x);
+    r = fmaf(n, -1.428606765330187e-06f, r);
+    float p = 1.f / 720.f;
+    p = fmaf(p, r, 1.f / 120.f);
+    p = fmaf(p, r, 1.f / 24.f);
+    p = fmaf(p, r, 1.f / 6.f);
+    p = fmaf(p, r, 0.5f);
+    p = fmaf(p, r, 1.f);
+    p = fmaf(p, r, 1.f);
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
 }
 
 static inline float dot_f32(const float *a, const float *b, int n) {
@@ -41,7 +69,7 @@ static inline float dot_f32(const float *a, const float *b, int n) {
  * from L1 for all M activation rows (M is a decode batch or a speculative verify: small). */
 void pd_linear_f32(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
                    int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) if ((int64_t)M * N * K >= PAR_MIN_MACS)
     for (int n = 0; n < N; n++) {
         const float *wr = w + (int64_t)n * K;
         float b = bias ? bias[n] : 0.f;
@@ -126,7 +154,7 @@ int pd_linear_u8(const float *x, const uint8_t *w, const float *scales, const fl
     int8_t *lo = hi + (size_t)M * K;
     float *corr = xs + (size_t)M * nb;
     quantize_rows(x, M, K, hi, lo, xs, corr);
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) if ((int64_t)M * N * K >= PAR_MIN_MACS)
     for (int n = 0; n < N; n++) {
         const uint8_t *wr = w + (int64_t)n * K;
         float b = bias ? bias[n] : 0.f;
@@ -202,7 +230,7 @@ void pd_silu_mul(const float *gu, float *out, int T, int I, int threads) {
         const float *g = gu + (int64_t)t * 2 * I, *u = g + I;
         float *o = out + (int64_t)t * I;
 #pragma omp simd
-        for (int i = 0; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+        for (int i = 0; i < I; i++) o[i] = g[i] / (1.f + exp_fast(-g[i])) * u[i];
     }
 }
 
@@ -230,7 +258,9 @@ void pd_paged_attention(const float *q, int64_t q_stride, const float *k_cache, 
     int T = cu_q[S];
     int group = H / KVH;
     size_t row = (size_t)KVH * D;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    int64_t macs = 0;
+    for (int s = 0; s < S; s++) macs += (int64_t)(cu_q[s + 1] - cu_q[s]) * ctx[s] * H * D * 2;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (macs >= PAR_MIN_MACS)
     for (int item = 0; item < T * H; item++) {
         int t = item / H, h = item % H, s = 0;
         while (cu_q[s + 1] <= t) s++;
@@ -250,14 +280,14 @@ void pd_paged_attention(const float *q, int64_t q_stride, const float *k_cache, 
                 sc[j] = dot_f32(qv, kr, D) * scale;
                 tile_max = fmaxf(tile_max, sc[j]);
             }
-            float m_new = fmaxf(m, tile_max), rescale = expf(m - m_new);
+            float m_new = fmaxf(m, tile_max), rescale = exp_fast(m - m_new);
             l *= rescale;
 #pragma omp simd
             for (int i = 0; i < D; i++) acc[i] *= rescale;
             for (int j = 0; j < n; j++) {
                 int key = j0 + j;
                 const float *vr = v_cache + ((size_t)table[key / bs] * bs + key % bs) * row + head;
-                float p = expf(sc[j] - m_new);
+                float p = exp_fast(sc[j] - m_new);
                 l += p;
 #pragma omp simd
                 for (int i = 0; i < D; i++) acc[i] += p * vr[i];
