@@ -110,7 +110,10 @@ class CpuKernels:
     # -- helpers -------------------------------------------------------------------------------
     @staticmethod
     def _ok(*tensors: torch.Tensor | None) -> bool:
-        return all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32) for t in tensors)
+        for t in tensors:     # (a plain loop: this runs ~300 times per decode step)
+            if t is not None and (t.dtype is not torch.float32 or not t.is_cpu):
+                return False
+        return True
 
     @staticmethod
     def _rows(t: torch.Tensor) -> bool:
