@@ -41,7 +41,7 @@ int pd_has_vnni(void) {
  * series to r^6 (|r| <= 0.35: relative error ~1e-7, like expf). Arguments are clamped to the float
  * range; below it the result is ~1e-38 instead of a denormal or 0, which no caller can tell apart. */
 static inline float exp_fast(float x) {
-    x = fminf(fmaxf(x, -87.f), 88.f);
+    x = x < -87.f ? -87.f : x > 88.f ? 88.f : x;   /* (fminf/fmaxf would block vectorizing) */
     float n = rintf(x * 1.44269504f);
     float r = fmaf(n, -0.693145751953125f, x);
     r = fmaf(n, -1.428606765330187e-06f, r);
@@ -52,10 +52,8 @@ static inline float exp_fast(float x) {
     p = fmaf(p, r, 0.5f);
     p = fmaf(p, r, 1.f);
     p = fmaf(p, r, 1.f);
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
+    union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};   /* 2^n */
+    return p * scale.f;
 }
 
 static inline float dot_f32(const float *a, const float *b, int n) {
@@ -65,15 +63,43 @@ static inline float dot_f32(const float *a, const float *b, int n) {
     return acc;
 }
 
-/* y[M, N] = x[M, K] @ w[N, K]^T + bias. One weight row is streamed from memory once and reused
- * from L1 for all M activation rows (M is a decode batch or a speculative verify: small). */
+/* Four activation rows against four weight rows: sixteen dot products sharing their loads. */
+static inline void tile_4x4(const float *x0, int64_t K, const float *w0, float *out) {
+    const float *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f, b0 = 0.f, b1 = 0.f, b2 = 0.f, b3 = 0.f;
+    float c0 = 0.f, c1 = 0.f, c2 = 0.f, c3 = 0.f, d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3)
+    for (int64_t k = 0; k < K; k++) {
+        float p = x0[k], q = x1[k], r = x2[k], s = x3[k];
+        a0 += p * w0[k], a1 += q * w0[k], a2 += r * w0[k], a3 += s * w0[k];
+        b0 += p * w1[k], b1 += q * w1[k], b2 += r * w1[k], b3 += s * w1[k];
+        c0 += p * w2[k], c1 += q * w2[k], c2 += r * w2[k], c3 += s * w2[k];
+        d0 += p * w3[k], d1 += q * w3[k], d2 += r * w3[k], d3 += s * w3[k];
+    }
+    float t[16] = {a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3};
+    memcpy(out, t, sizeof t);
+}
+
+/* y[M, N] = x[M, K] @ w[N, K]^T + bias for small M (decode batches, speculative verification,
+ * prefill chunks): each group of four weight rows is streamed from memory once and reused from L1
+ * for all M activation rows, four at a time; leftovers go one dot product at a time. */
 void pd_linear_f32(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
                    int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if ((int64_t)M * N * K >= PAR_MIN_MACS)
-    for (int n = 0; n < N; n++) {
-        const float *wr = w + (int64_t)n * K;
-        float b = bias ? bias[n] : 0.f;
-        for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = dot_f32(x + (int64_t)m * K, wr, K) + b;
+    for (int n = 0; n < N; n += 4) {
+        int full = n + 4 <= N;
+        int m = 0;
+        for (; full && m + 4 <= M; m += 4) {
+            float t[16];
+            tile_4x4(x + (int64_t)m * K, K, w + (int64_t)n * K, t);
+            for (int j = 0; j < 4; j++)
+                for (int i = 0; i < 4; i++)
+                    y[(int64_t)(m + i) * N + n + j] = t[4 * j + i] + (bias ? bias[n + j] : 0.f);
+        }
+        int n_end = n + 4 < N ? n + 4 : N;
+        for (; m < M; m++)
+            for (int j = n; j < n_end; j++)
+                y[(int64_t)m * N + j] = dot_f32(x + (int64_t)m * K, w + (int64_t)j * K, K) + (bias ? bias[j] : 0.f);
     }
 }
 
@@ -174,13 +200,12 @@ static inline float inv_rms(const float *x, int D, float eps) {
     return 1.f / sqrtf(ss / (float)D + eps);
 }
 
-/* Elementwise work is split over tokens only for prefill-sized runs: waking threads costs more
- * than one token's worth. */
-#define PAR_TOKENS 8
+/* Elementwise work is split over tokens only for prefill-sized runs (the same wake-up cost as above). */
+#define PAR_MIN_ELEMS (1LL << 18)
 
 /* out[t] = w * x[t] / rms(x[t]) */
 void pd_rms_norm(const float *x, const float *w, float *out, int T, int D, float eps, int threads) {
-#pragma omp parallel for num_threads(threads) if (T >= PAR_TOKENS)
+#pragma omp parallel for num_threads(threads) if ((int64_t)T * D >= PAR_MIN_ELEMS)
     for (int t = 0; t < T; t++) {
         const float *xr = x + (int64_t)t * D;
         float *o = out + (int64_t)t * D;
@@ -193,7 +218,7 @@ void pd_rms_norm(const float *x, const float *w, float *out, int T, int D, float
 /* x[t] += delta[t] (in place: x is the residual stream); out[t] = w * x[t] / rms(x[t]) */
 void pd_add_rms_norm(float *x, const float *delta, const float *w, float *out, int T, int D, float eps,
                      int threads) {
-#pragma omp parallel for num_threads(threads) if (T >= PAR_TOKENS)
+#pragma omp parallel for num_threads(threads) if ((int64_t)T * D >= PAR_MIN_ELEMS)
     for (int t = 0; t < T; t++) {
         float *xr = x + (int64_t)t * D;
         const float *dr = delta + (int64_t)t * D;
@@ -208,7 +233,7 @@ void pd_add_rms_norm(float *x, const float *delta, const float *w, float *out, i
 void pd_rope(float *q, int64_t q_stride, int H, float *k, int64_t k_stride, int KVH, const float *cos,
              const float *sin, int T, int D, int threads) {
     int half = D / 2;
-#pragma omp parallel for num_threads(threads) if (T >= PAR_TOKENS)
+#pragma omp parallel for num_threads(threads) if ((int64_t)T * (H + KVH) * D >= PAR_MIN_ELEMS)
     for (int t = 0; t < T; t++) {
         const float *c = cos + (int64_t)t * D, *s = sin + (int64_t)t * D;
         for (int h = 0; h < H + KVH; h++) {
@@ -225,12 +250,15 @@ void pd_rope(float *q, int64_t q_stride, int H, float *k, int64_t k_stride, int 
 
 /* out[t, i] = silu(gu[t, i]) * gu[t, I + i] */
 void pd_silu_mul(const float *gu, float *out, int T, int I, int threads) {
-#pragma omp parallel for num_threads(threads) if (T >= PAR_TOKENS)
+#pragma omp parallel for num_threads(threads) if ((int64_t)T * I >= PAR_MIN_ELEMS)
     for (int t = 0; t < T; t++) {
         const float *g = gu + (int64_t)t * 2 * I, *u = g + I;
         float *o = out + (int64_t)t * I;
 #pragma omp simd
-        for (int i = 0; i < I; i++) o[i] = g[i] / (1.f + exp_fast(-g[i])) * u[i];
+        for (int i = 0; i < I; i++) {
+            float v = g[i];
+            o[i] = v / (1.f + exp_fast(-v)) * u[i];
+        }
     }
 }
 
