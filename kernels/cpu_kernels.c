@@ -288,7 +288,8 @@ void pd_paged_attention(const float *q, int64_t q_stride, const float *k_cache, 
     size_t row = (size_t)KVH * D;
     int64_t macs = 0;
     for (int s = 0; s < S; s++) macs += (int64_t)(cu_q[s + 1] - cu_q[s]) * ctx[s] * H * D * 2;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (macs >= PAR_MIN_MACS)
+    /* (a key costs several times its multiply-adds here: an exp, a rescale, a scattered page) */
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (macs >= PAR_MIN_MACS / 8)
     for (int item = 0; item < T * H; item++) {
         int t = item / H, h = item % H, s = 0;
         while (cu_q[s + 1] <= t) s++;

@@ -22,7 +22,7 @@ def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, A
     sizes = dict(conversation_words=120, long_prompt_words=150, batch=4, naive_position=100, repeats=1,
                  chunks=[16, None]) if quick else \
         dict(conversation_words=1500, long_prompt_words=1500, batch=16, naive_position=500, repeats=3,
-             chunks=[32, 64, 128, 256, None])
+             chunks=[16, 32, 64, 128, 256, None])
     engine = Engine(replace(config, telemetry=False), say=lambda m: None)
     try:
         out: dict[str, Any] = {"model": config.model, "device": str(engine.device), "inputs": sizes}
