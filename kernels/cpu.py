@@ -3,7 +3,8 @@
 Same functions and semantics as `reference` (tests compare them). Each falls back to its reference
 twin outside the cases the C code covers: fp32 only; matrix products for small row counts (decode
 batches, speculative verification: where BLAS streams weights slowly and per-op overhead
-dominates); attention for short query runs (long prefill chunks go to PyTorch's flash SDPA).
+dominates); attention for decodes, short verifies and short contexts (the rest goes to PyTorch's
+flash SDPA).
 """
 from __future__ import annotations
 
@@ -24,7 +25,13 @@ from . import reference
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 LINEAR_MAX_ROWS = 40       # above this BLAS's matrix-matrix products win (measured, README)
-ATTENTION_MAX_QUERY = 16   # longer query runs: flash SDPA
+
+def attention_in_c(query_len: int, context_len: int) -> bool:
+    """Whether the C kernel beats flash SDPA for one sequence's share of a batch (measured, README):
+    decodes and short verifies always; longer query runs only over short contexts (the kernel
+    does one query row at a time, SDPA a matrix product)."""
+    return query_len <= 3 or query_len * context_len <= 2048
+
 QBLOCK = 64                # activation quantization block of the int8 product (cpu_kernels.c)
 
 
@@ -212,10 +219,34 @@ class CpuKernels:
                         query_lens_host: list[int] | None = None,
                         context_lens_host: list[int] | None = None) -> torch.Tensor:
         qlens = query_lens_host or (query_start_loc[1:] - query_start_loc[:-1]).tolist()
-        if (max(qlens) > ATTENTION_MAX_QUERY or q.shape[2] > 512 or not self._ok(q, k_cache, v_cache)
-                or not self._rows(q) or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        clens = context_lens_host or context_lens.tolist()
+        fits = (q.shape[2] <= 512 and self._ok(q, k_cache, v_cache) and self._rows(q)
+                and k_cache.is_contiguous() and v_cache.is_contiguous())
+        in_c = [fits and attention_in_c(n, c) for n, c in zip(qlens, clens)]
+        if all(in_c):
+            return self._attention_c(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
+        if not any(in_c):
             return reference.paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
-                                             scale, query_lens_host=qlens, context_lens_host=context_lens_host)
+                                             scale, query_lens_host=qlens, context_lens_host=clens)
+        # A mixed step (say a long prefill chunk beside decodes): each sequence to its better kernel.
+        out = torch.empty_like(q)
+        starts = [0]
+        for n in qlens:
+            starts.append(starts[-1] + n)
+        for use_c in (True, False):
+            seqs = [i for i, flag in enumerate(in_c) if flag == use_c]
+            rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs])
+            sub_qlens = [qlens[i] for i in seqs]
+            sub_start = torch.tensor([0] + sub_qlens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            index = torch.tensor(seqs)
+            args = (q[rows], k_cache, v_cache, block_tables[index], sub_start, context_lens[index], scale)
+            out[rows] = (self._attention_c(*args) if use_c else reference.paged_attention(
+                *args, query_lens_host=sub_qlens, context_lens_host=[clens[i] for i in seqs]))
+        return out
+
+    def _attention_c(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
         tables = block_tables.to(torch.int32).contiguous()
         cu_q = query_start_loc.to(torch.int32).contiguous()
         ctx = context_lens.to(torch.int32).contiguous()
@@ -223,6 +254,6 @@ class CpuKernels:
         out = q.new_empty(T, H, D)
         self.lib.pd_paged_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                     tables.data_ptr(), tables.shape[1], cu_q.data_ptr(), ctx.data_ptr(),
-                                    len(qlens), H, k_cache.shape[2], D, k_cache.shape[1], scale,
+                                    len(ctx), H, k_cache.shape[2], D, k_cache.shape[1], scale,
                                     out.data_ptr(), torch.get_num_threads())
         return out

@@ -129,10 +129,20 @@ def test_paged_attention_matches_reference(ops, qlens, clens, kv_heads, group, h
 
 
 def test_long_query_runs_go_to_flash_sdpa(ops):
-    qlens = [cpu.ATTENTION_MAX_QUERY + 1]
+    qlens = [64]
+    assert not cpu.attention_in_c(64, 64)
     batch = Batch(qlens, qlens, 1, 2, 16, block_size=8, dtype=torch.float32)
     out = ops.paged_attention(*batch.args("cpu"), 0.25)
     assert torch.equal(out, batch.expected(0.25))
+
+
+def test_mixed_step_sends_each_sequence_to_its_kernel(ops):
+    # decodes (C), a long chunk over a long context (SDPA), a short verify (C), interleaved
+    qlens, clens = [1, 40, 4, 1], [30, 300, 90, 7]
+    assert [cpu.attention_in_c(n, c) for n, c in zip(qlens, clens)] == [True, False, True, True]
+    batch = Batch(qlens, clens, 2, 3, 32, block_size=8, dtype=torch.float32)
+    out = ops.paged_attention(*batch.args("cpu"), 0.2, query_lens_host=qlens, context_lens_host=clens)
+    torch.testing.assert_close(out, batch.expected(0.2), **TOL)
 
 
 def test_backend_table_fills_gaps_with_reference(tmp_path):
