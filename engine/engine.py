@@ -14,7 +14,6 @@ import threading
 import time
 import traceback
 from dataclasses import replace
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Iterable
 
@@ -32,7 +31,7 @@ from .loader import load, pick_device, pick_dtype
 from .metrics import EngineStats, RequestMetrics
 from .model_runner import ModelRunner, Work
 from .model_source import resolve
-from .paths import cache_dir, models_dir
+from .paths import cache_dir
 from .prompt import Prompt, encode_prompt
 from .sampler import sample
 from .scheduler import Scheduler, StepPlan
@@ -131,18 +130,13 @@ class Engine:
         return int(blocks)
 
     def _kernels(self, name: str) -> SimpleNamespace:
-        """auto: Triton attention on CUDA, the C kernels on CPU in fp32, plain PyTorch otherwise;
-        an automatic choice that cannot be built falls back to PyTorch with a notice."""
-        chosen = name
-        if name == "auto":
-            fp32_cpu = self.device.type == "cpu" and self.dtype == torch.float32
-            chosen = "triton" if self.device.type == "cuda" else "cpu" if fp32_cpu else "torch"
-        elif name == "cpu" and not (self.device.type == "cpu" and self.dtype == torch.float32):
-            raise InvalidRequest("the cpu kernels run fp32 on the CPU only")
-        elif name not in kernels.BACKENDS:
-            raise InvalidRequest(f"unknown kernel backend {name!r} (auto, {', '.join(kernels.BACKENDS)})")
+        """The kernel backend; an automatic choice that cannot be built falls back to PyTorch's ops
+        with a notice, an explicit one is an error."""
         try:
+            chosen = kernels.choose(name, self.device.type, self.dtype == torch.float32)
             return kernels.load(chosen, cache_dir())
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
         except (ImportError, KernelsUnavailable) as e:
             if name != "auto":
                 raise InvalidRequest(f"{chosen} kernels unavailable: {e}") from None
@@ -150,22 +144,12 @@ class Engine:
             return kernels.load("torch")
 
     # ---- quantization ---------------------------------------------------------------------
-    def _quant_cache(self) -> Path | None:
-        files = self.files
-        if files.path is None:
-            return None                           # random weights: cheap to regenerate
-        if files.path.parent == models_dir():     # our own converted folder
-            return files.path / "int8.safetensors"
-        folder = cache_dir() / "quant"
-        folder.mkdir(parents=True, exist_ok=True)
-        return folder / (files.name.replace("/", "--").replace(":", "-") + ".int8.safetensors")
-
     def _prepare_int8(self) -> bool:
         """Make the int8 weight copies (from the cache when possible); False if unsupported here."""
         if not self.ops.int8_supported(self.device):
             return False
         model = self.loaded.model
-        cache = self._quant_cache()
+        cache = quant.cache_file(self.files)
         if cache is None or not cache.is_file() or not quant.load(model, cache):
             quant.prepare(model)
             if cache is not None:

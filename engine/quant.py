@@ -7,11 +7,15 @@ copy while the target verifies with the original weights.
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Iterator
 
 import torch
 from torch import nn
+
+from .model_source import ModelFiles
+from .paths import cache_dir, models_dir
 
 
 class QuantSwitch:
@@ -86,6 +90,18 @@ def int8_mode(switch: QuantSwitch, on: bool = True) -> Iterator[None]:
 
 def _quant_modules(model: nn.Module) -> dict[str, QuantLinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+def cache_file(files: ModelFiles) -> Path | None:
+    """Where a model's int8 weights are cached: beside our own converted checkpoints, else in the
+    cache folder; None for random weights (cheap to regenerate)."""
+    if files.path is None:
+        return None
+    if files.path.parent == models_dir():
+        return files.path / "int8.safetensors"
+    folder = cache_dir() / "quant"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / (files.name.replace("/", "--").replace(":", "-") + ".int8.safetensors")
 
 
 def save(model: nn.Module, path) -> None:

@@ -18,6 +18,18 @@ OPS = ("store_kv", "paged_attention", "rms_norm", "add_rms_norm", "rope", "silu_
 BACKENDS = ("torch", "triton", "cpu")
 
 
+def choose(name: str, device_type: str, fp32: bool) -> str:
+    """The backend for a request ("auto" or a name): auto is Triton attention on CUDA, the C
+    kernels for fp32 on CPU, plain PyTorch otherwise. Raises ValueError for an impossible one."""
+    if name == "auto":
+        return "triton" if device_type == "cuda" else "cpu" if device_type == "cpu" and fp32 else "torch"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {name!r} (auto, {', '.join(BACKENDS)})")
+    if name == "cpu" and not (device_type == "cpu" and fp32):
+        raise ValueError("the cpu kernels run fp32 on the CPU only")
+    return name
+
+
 def load(name: str, cache_dir: Path | None = None) -> SimpleNamespace:
     """The ops of a backend: its own where it has them, the reference's elsewhere.
 
@@ -36,4 +48,4 @@ def load(name: str, cache_dir: Path | None = None) -> SimpleNamespace:
     return SimpleNamespace(name=name, **ops)
 
 
-__all__ = ["BACKENDS", "OPS", "load", "paged_attention", "store_kv"]
+__all__ = ["BACKENDS", "OPS", "choose", "load", "paged_attention", "store_kv"]

@@ -25,14 +25,14 @@ from . import reference
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 LINEAR_MAX_ROWS = 40       # above this BLAS's matrix-matrix products win (measured, README)
+QBLOCK = 64                # activation quantization block of the int8 product (cpu_kernels.c)
+
 
 def attention_in_c(query_len: int, context_len: int) -> bool:
     """Whether the C kernel beats flash SDPA for one sequence's share of a batch (measured, README):
     decodes and short verifies always; longer query runs only over short contexts (the kernel
     does one query row at a time, SDPA a matrix product)."""
     return query_len <= 3 or query_len * context_len <= 2048
-
-QBLOCK = 64                # activation quantization block of the int8 product (cpu_kernels.c)
 
 
 class KernelsUnavailable(RuntimeError):

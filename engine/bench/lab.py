@@ -12,7 +12,6 @@ import importlib.util
 from dataclasses import replace
 from typing import Any
 
-from .. import quant
 from ..config import EngineConfig, SamplingParams
 from ..engine import Engine
 from ..stream import TokenEvent

@@ -57,7 +57,7 @@ def test_default_model_int8_quality_and_cache(default_engine, tmp_path):
     try:
         q_ppl = perplexity()
         q_out = [c.token_ids for c in default_engine.generate(prompts, greedy)]
-        cache = default_engine._quant_cache()
+        cache = quant.cache_file(default_engine.files)
         assert cache is not None and cache.is_file()
     finally:
         default_engine.update(quant="none")

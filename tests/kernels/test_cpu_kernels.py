@@ -167,3 +167,20 @@ def test_info_names_the_build_or_why_there_is_none(tmp_path, monkeypatch):
     monkeypatch.setenv("PDCHAT_CACHE_DIR", str(tmp_path / "broken"))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     assert info()["cpu kernels"].startswith("unavailable (no C compiler")
+
+
+def test_backend_choice():
+    assert kernels.choose("auto", "cuda", fp32=False) == "triton"
+    assert kernels.choose("auto", "cpu", fp32=True) == "cpu"
+    assert kernels.choose("auto", "cpu", fp32=False) == "torch"      # bf16 on CPU: PyTorch's ops
+    assert kernels.choose("torch", "cpu", fp32=True) == "torch"
+    for name, device in [("cpu", "cuda"), ("nonsense", "cpu")]:
+        with pytest.raises(ValueError):
+            kernels.choose(name, device, fp32=True)
+
+
+def test_engine_turns_an_impossible_backend_into_a_readable_error():
+    from pdchat.engine import Engine
+    from pdchat.engine.errors import InvalidRequest
+    with pytest.raises(InvalidRequest, match="fp32 on the CPU only"):
+        Engine(model="random:tiny", dtype="bfloat16", kernels="cpu", telemetry=False)
