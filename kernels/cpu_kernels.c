@@ -7,8 +7,9 @@
  * strides are in elements. `threads` is passed explicitly because OpenMP's thread count is
  * per-thread state and the engine steps on its own thread.
  *
- * Two instruction paths: AVX-512 (+VNNI for int8) intrinsics where the compiler targets them,
- * and portable C with `omp simd` loops everywhere else (compile with -DPDCHAT_PORTABLE to force it).
+ * The int8 product has an AVX-512 VNNI intrinsics path where the compiler targets it; everything
+ * else is portable C whose `omp simd` loops the compiler vectorizes for the machine at hand
+ * (-DPDCHAT_PORTABLE forces the portable int8 product too; the tests build both).
  */
 #include <math.h>
 #include <stdint.h>
@@ -20,11 +21,11 @@
 #define PD_VNNI 1
 #endif
 
-/* A parallel region costs tens of microseconds when OpenMP's workers have gone to sleep, which
- * they do quickly once more than one thread (the UI's, the engine's) has used OpenMP. So a product
- * is split over threads only when it is big: on the 2-core test machine splitting every product of
- * a SmolLM2-135M decode step made it 1.4x slower than splitting only those of >= 2M multiply-adds
- * (in practice the LM head). */
+/* A parallel region costs tens of microseconds when OpenMP's workers have gone to sleep between
+ * regions (libgomp puts them to sleep sooner once several threads, say the UI's and the engine's,
+ * have used OpenMP). So a product is split over threads only when it is big: on the 2-core test
+ * machine splitting every product of a SmolLM2-135M decode step made it 1.4x slower than
+ * splitting only those of >= 2M multiply-adds (in practice the LM head). Tuned on 2 cores only. */
 #define PAR_MIN_MACS (2LL << 20)
 #define QBLOCK 64  /* int8 activations: one scale per block of 64 values, so an outlier spoils one block */
 
