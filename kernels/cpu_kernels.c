@@ -12,6 +12,7 @@
  * (-DPDCHAT_PORTABLE forces the portable int8 product too; the tests build both).
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,13 +22,137 @@
 #define PD_VNNI 1
 #endif
 
-/* A parallel region costs tens of microseconds when OpenMP's workers have gone to sleep between
- * regions (libgomp puts them to sleep sooner once several threads, say the UI's and the engine's,
- * have used OpenMP). So a product is split over threads only when it is big: on the 2-core test
- * machine splitting every product of a SmolLM2-135M decode step made it 1.4x slower than
- * splitting only those of >= 2M multiply-adds (in practice the LM head). Tuned on 2 cores only. */
-#define PAR_MIN_MACS (2LL << 20)
+/* Attention and elementwise kernels use OpenMP, whose parallel regions cost tens of microseconds
+ * once its workers have gone to sleep between regions; they split only big work. (Splitting every
+ * product this way made a SmolLM2-135M decode step 1.4x slower on 2 cores: the products use the
+ * spinning pool below instead.) */
+#define PAR_MIN_MACS (2LL << 20)       /* multiply-adds; attention uses 1/8 of it */
 #define QBLOCK 64  /* int8 activations: one scale per block of 64 values, so an outlier spoils one block */
+
+/* ---- a spinning worker pool for the products ------------------------------------------------
+ * OpenMP's workers fall asleep between the ~120 products of a decode step and take tens of
+ * microseconds to wake. These workers spin for a while
+ * after each job (the next product comes within microseconds), then sleep. The caller works too,
+ * claiming chunks of rows from the same counter, so a worker that is not scheduled costs nothing
+ * but the chunk it already holds. One job at a time; a concurrent caller runs its rows itself.
+ *
+ * Protocol: `gen` is even while a job is open. To replace the job the caller makes `gen` odd,
+ * waits until no worker is `busy`, writes the job and makes `gen` even again. A worker counts
+ * itself `busy` and then re-reads `gen`: if unchanged, the job cannot change under it. */
+typedef void (*rows_fn)(const void *args, int lo, int hi);
+
+#define POOL_SPINS 20000        /* ~100-300 us of pause instructions before a worker sleeps */
+#define LOAD(x) __atomic_load_n(&(x), __ATOMIC_SEQ_CST)
+#define STORE(x, v) __atomic_store_n(&(x), (v), __ATOMIC_SEQ_CST)
+#define ADD(x, v) __atomic_fetch_add(&(x), (v), __ATOMIC_SEQ_CST)
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static struct {
+    pthread_mutex_t call, sleep_lock;
+    pthread_cond_t wake;
+    int workers;
+    rows_fn fn;
+    const void *args;
+    int n, chunk;
+    long gen;
+    int next, done, busy, sleepers;
+} pool = {.call = PTHREAD_MUTEX_INITIALIZER, .sleep_lock = PTHREAD_MUTEX_INITIALIZER,
+          .wake = PTHREAD_COND_INITIALIZER};
+
+static void run_rows(void) {
+    int lo;
+    while ((lo = ADD(pool.next, pool.chunk)) < pool.n) {
+        int hi = lo + pool.chunk < pool.n ? lo + pool.chunk : pool.n;
+        pool.fn(pool.args, lo, hi);
+        ADD(pool.done, hi - lo);
+    }
+}
+
+static int job_waiting(long seen, long *g) {
+    *g = LOAD(pool.gen);
+    return *g != seen && !(*g & 1);
+}
+
+static void *pool_worker(void *unused) {
+    (void)unused;
+    long seen = 0, g;
+    for (;;) {
+        for (int spins = 0; !job_waiting(seen, &g); spins++) {
+            if (spins < POOL_SPINS) {
+                cpu_relax();
+                continue;
+            }
+            pthread_mutex_lock(&pool.sleep_lock);
+            ADD(pool.sleepers, 1);
+            while (!job_waiting(seen, &g)) pthread_cond_wait(&pool.wake, &pool.sleep_lock);
+            ADD(pool.sleepers, -1);
+            pthread_mutex_unlock(&pool.sleep_lock);
+        }
+        ADD(pool.busy, 1);
+        if (LOAD(pool.gen) == g) run_rows();
+        ADD(pool.busy, -1);
+        seen = g;
+    }
+    return NULL;
+}
+
+static void pool_after_fork(void) {   /* the child has none of the workers */
+    pthread_mutex_init(&pool.call, NULL);
+    pthread_mutex_init(&pool.sleep_lock, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    pool.workers = pool.busy = pool.sleepers = 0;
+}
+
+static void pool_start(int workers) {
+    pthread_atfork(NULL, NULL, pool_after_fork);
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    for (int i = 0; i < workers; i++) {
+        pthread_t t;
+        if (pthread_create(&t, &attr, pool_worker, NULL) != 0) break;
+        pool.workers++;
+    }
+    pthread_attr_destroy(&attr);
+}
+
+/* fn(args, lo, hi) over rows [0, n) in chunks of `chunk`, on up to `threads` threads. */
+static void parallel_rows(rows_fn fn, const void *args, int n, int chunk, int threads) {
+    if (threads <= 1 || n <= chunk || pthread_mutex_trylock(&pool.call) != 0) {
+        fn(args, 0, n);
+        return;
+    }
+    if (pool.workers == 0) pool_start(threads - 1);
+    long g = LOAD(pool.gen);
+    STORE(pool.gen, g + 1);
+    while (LOAD(pool.busy) != 0) cpu_relax();
+    pool.fn = fn;
+    pool.args = args;
+    pool.n = n;
+    pool.chunk = chunk;
+    STORE(pool.next, 0);
+    STORE(pool.done, 0);
+    STORE(pool.gen, g + 2);
+    if (LOAD(pool.sleepers) > 0) {
+        pthread_mutex_lock(&pool.sleep_lock);
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.sleep_lock);
+    }
+    run_rows();
+    while (LOAD(pool.done) < n) cpu_relax();
+    pthread_mutex_unlock(&pool.call);
+}
+
+/* Rows per claim: a few per thread, a multiple of 4 (the fp32 tile). */
+static inline int row_chunk(int n, int threads) {
+    int c = (n / (4 * threads) + 3) & ~3;
+    return c < 16 ? 16 : c;
+}
 
 int pd_has_vnni(void) {
 #ifdef PD_VNNI
@@ -81,27 +206,41 @@ static inline void tile_4x4(const float *x0, int64_t K, const float *w0, float *
     memcpy(out, t, sizeof t);
 }
 
+struct f32_job {
+    const float *x, *w, *bias;
+    float *y;
+    int M, N, K;
+};
+
+/* Weight rows [lo, hi) (lo a multiple of 4) against all activation rows. */
+static void f32_rows(const void *p, int lo, int hi) {
+    const struct f32_job *j = p;
+    const float *x = j->x, *w = j->w, *bias = j->bias;
+    int M = j->M, N = j->N, K = j->K;
+    for (int n = lo; n < hi; n += 4) {
+        int full = n + 4 <= hi;
+        int m = 0;
+        for (; full && m + 4 <= M; m += 4) {
+            float t[16];
+            tile_4x4(x + (int64_t)m * K, K, w + (int64_t)n * K, t);
+            for (int q = 0; q < 4; q++)
+                for (int i = 0; i < 4; i++)
+                    j->y[(int64_t)(m + i) * N + n + q] = t[4 * q + i] + (bias ? bias[n + q] : 0.f);
+        }
+        int n_end = n + 4 < hi ? n + 4 : hi;
+        for (; m < M; m++)
+            for (int q = n; q < n_end; q++)
+                j->y[(int64_t)m * N + q] = dot_f32(x + (int64_t)m * K, w + (int64_t)q * K, K) + (bias ? bias[q] : 0.f);
+    }
+}
+
 /* y[M, N] = x[M, K] @ w[N, K]^T + bias for small M (decode batches, speculative verification,
  * prefill chunks): each group of four weight rows is streamed from memory once and reused from L1
  * for all M activation rows, four at a time; leftovers go one dot product at a time. */
 void pd_linear_f32(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
                    int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if ((int64_t)M * N * K >= PAR_MIN_MACS)
-    for (int n = 0; n < N; n += 4) {
-        int full = n + 4 <= N;
-        int m = 0;
-        for (; full && m + 4 <= M; m += 4) {
-            float t[16];
-            tile_4x4(x + (int64_t)m * K, K, w + (int64_t)n * K, t);
-            for (int j = 0; j < 4; j++)
-                for (int i = 0; i < 4; i++)
-                    y[(int64_t)(m + i) * N + n + j] = t[4 * j + i] + (bias ? bias[n + j] : 0.f);
-        }
-        int n_end = n + 4 < N ? n + 4 : N;
-        for (; m < M; m++)
-            for (int j = n; j < n_end; j++)
-                y[(int64_t)m * N + j] = dot_f32(x + (int64_t)m * K, w + (int64_t)j * K, K) + (bias ? bias[j] : 0.f);
-    }
+    struct f32_job job = {x, w, bias, y, M, N, K};
+    parallel_rows(f32_rows, &job, N, row_chunk(N, threads), threads);
 }
 
 /* Activations in int8, in blocks of 64 values with one scale each, as two parts: x ~= s * (hi + lo / 254)
@@ -168,6 +307,28 @@ static inline float dot_u8_blocks(const uint8_t *wr, const int8_t *hi, const int
 /* y[M, N] = x[M, K] @ (scales[N] * q[N, K])^T + bias, weights int8 stored as u8 (q + 128) so that
  * the unsigned-by-signed VNNI dot product applies. K must be a multiple of 64. Returns -1 if out
  * of memory (the caller raises). */
+struct u8_job {
+    const uint8_t *w;
+    const float *scales, *bias, *xs, *corr;
+    const int8_t *hi, *lo;
+    float *y;
+    int M, N, K;
+};
+
+static void u8_rows(const void *p, int lo, int hi) {
+    const struct u8_job *j = p;
+    int nb = j->K / QBLOCK;
+    for (int n = lo; n < hi; n++) {
+        const uint8_t *wr = j->w + (int64_t)n * j->K;
+        float b = j->bias ? j->bias[n] : 0.f;
+        for (int m = 0; m < j->M; m++) {
+            int64_t at = (int64_t)m * j->K;
+            float acc = dot_u8_blocks(wr, j->hi + at, j->lo + at, j->xs + m * nb, nb);
+            j->y[(int64_t)m * j->N + n] = (acc - j->corr[m]) * j->scales[n] + b;
+        }
+    }
+}
+
 int pd_linear_u8(const float *x, const uint8_t *w, const float *scales, const float *bias, float *y,
                  int M, int N, int K, int threads) {
     int nb = K / QBLOCK;
@@ -181,16 +342,8 @@ int pd_linear_u8(const float *x, const uint8_t *w, const float *scales, const fl
     int8_t *lo = hi + (size_t)M * K;
     float *corr = xs + (size_t)M * nb;
     quantize_rows(x, M, K, hi, lo, xs, corr);
-#pragma omp parallel for num_threads(threads) schedule(static) if ((int64_t)M * N * K >= PAR_MIN_MACS)
-    for (int n = 0; n < N; n++) {
-        const uint8_t *wr = w + (int64_t)n * K;
-        float b = bias ? bias[n] : 0.f;
-        for (int m = 0; m < M; m++) {
-            int64_t at = (int64_t)m * K;
-            float acc = dot_u8_blocks(wr, hi + at, lo + at, xs + m * nb, nb);
-            y[(int64_t)m * N + n] = (acc - corr[m]) * scales[n] + b;
-        }
-    }
+    struct u8_job job = {w, scales, bias, xs, corr, hi, lo, y, M, N, K};
+    parallel_rows(u8_rows, &job, N, row_chunk(N, threads), threads);
     free(hi);
     free(xs);
     return 0;

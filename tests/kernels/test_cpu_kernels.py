@@ -184,3 +184,52 @@ def test_engine_turns_an_impossible_backend_into_a_readable_error():
     from pdchat.engine.errors import InvalidRequest
     with pytest.raises(InvalidRequest, match="fp32 on the CPU only"):
         Engine(model="random:tiny", dtype="bfloat16", kernels="cpu", telemetry=False)
+
+
+# ---- the worker pool behind the products ---------------------------------------------------
+
+def _big_product(ops, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, w = rand(3, 256, seed=seed), rand(1024, 256, seed=seed + 1)
+    return ops.linear(x, w), reference.linear(x, w)
+
+
+def test_products_from_several_threads_at_once(ops):
+    import concurrent.futures
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda s: _big_product(ops, s), range(16)))
+    for got, want in results:
+        torch.testing.assert_close(got, want, **TOL)
+
+
+def test_pool_workers_sleep_when_idle(ops):
+    import resource
+    import time
+    _big_product(ops, 0)                                   # the workers exist and have run
+    time.sleep(0.5)                                        # past their spinning phase
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    time.sleep(1.5)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    busy = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    assert busy < 0.3, f"{busy:.2f} s of CPU while idle: a worker is spinning"
+
+
+def test_a_forked_child_computes_without_the_parents_workers(ops):
+    import os
+    import time
+    _big_product(ops, 0)                                   # the parent's workers exist
+    x, w = rand(3, 256, seed=1), rand(1024, 256, seed=2)
+    want = reference.linear(x, w)
+    pid = os.fork()
+    if pid == 0:  # child: two threads asked for, so the pool is used (OpenMP itself is not fork-safe)
+        y = torch.empty(3, 1024)
+        ops.lib.pd_linear_f32(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), 3, 1024, 256, 2)
+        os._exit(0 if torch.allclose(y, want, atol=1e-4, rtol=1e-4) else 3)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.WEXITSTATUS(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    raise AssertionError("the forked child hung in a product")
