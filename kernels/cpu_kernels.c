@@ -22,11 +22,12 @@
 #define PD_VNNI 1
 #endif
 
-/* Attention and elementwise kernels use OpenMP, whose parallel regions cost tens of microseconds
- * once its workers have gone to sleep between regions; they split only big work. (Splitting every
- * product this way made a SmolLM2-135M decode step 1.4x slower on 2 cores: the products use the
- * spinning pool below instead.) */
-#define PAR_MIN_MACS (2LL << 20)       /* multiply-adds; attention uses 1/8 of it */
+/* Elementwise kernels use OpenMP, whose parallel regions cost tens of microseconds once its
+ * workers have gone to sleep between regions, so they split only big work. (Splitting every
+ * product this way made a SmolLM2-135M decode step 1.4x slower on 2 cores: products and
+ * attention use the spinning pool below instead.) */
+#define PAR_MIN_MACS (2LL << 20)       /* multiply-adds */
+#define ATTENTION_PAR_MACS (256LL << 10) /* attention on the pool: below this, a decode runs serially faster */
 #define QBLOCK 64  /* int8 activations: one scale per block of 64 values, so an outlier spoils one block */
 
 /* ---- a spinning worker pool for the products ------------------------------------------------
@@ -434,17 +435,25 @@ void pd_store_kv(const float *k, int64_t k_stride, const float *v, int64_t v_str
 /* Paged attention for a flat ragged batch (semantics in kernels/reference.py): query j of
  * sequence s sits at position ctx[s] - n_s + j and attends keys 0..position. Online softmax over
  * tiles of keys; one (token, head) pair per work item. q rows are q_stride apart; out is [T, H, D]. */
-void pd_paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                        const int32_t *tables, int max_blocks, const int32_t *cu_q, const int32_t *ctx,
-                        int S, int H, int KVH, int D, int bs, float scale, float *out, int threads) {
-    int T = cu_q[S];
-    int group = H / KVH;
-    size_t row = (size_t)KVH * D;
-    int64_t macs = 0;
-    for (int s = 0; s < S; s++) macs += (int64_t)(cu_q[s + 1] - cu_q[s]) * ctx[s] * H * D * 2;
-    /* (a key costs several times its multiply-adds here: an exp, a rescale, a scattered page) */
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (macs >= PAR_MIN_MACS / 8)
-    for (int item = 0; item < T * H; item++) {
+struct attention_job {
+    const float *q, *k_cache, *v_cache;
+    int64_t q_stride;
+    const int32_t *tables, *cu_q, *ctx;
+    int max_blocks, H, KVH, D, bs;
+    float scale;
+    float *out;
+};
+
+/* Work items [lo, hi): item = token * H + head. */
+static void attention_items(const void *arg, int lo, int hi) {
+    const struct attention_job *job = arg;
+    const float *q = job->q, *k_cache = job->k_cache, *v_cache = job->v_cache;
+    const int32_t *tables = job->tables, *cu_q = job->cu_q, *ctx = job->ctx;
+    int64_t q_stride = job->q_stride;
+    int H = job->H, D = job->D, bs = job->bs, max_blocks = job->max_blocks, group = H / job->KVH;
+    size_t row = (size_t)job->KVH * D;
+    float scale = job->scale, *out = job->out;
+    for (int item = lo; item < hi; item++) {
         int t = item / H, h = item % H, s = 0;
         while (cu_q[s + 1] <= t) s++;
         int pos = ctx[s] - (cu_q[s + 1] - cu_q[s]) + (t - cu_q[s]);
@@ -482,4 +491,17 @@ void pd_paged_attention(const float *q, int64_t q_stride, const float *k_cache, 
 #pragma omp simd
         for (int i = 0; i < D; i++) o[i] = acc[i] * inv;
     }
+}
+
+void pd_paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                        const int32_t *tables, int max_blocks, const int32_t *cu_q, const int32_t *ctx,
+                        int S, int H, int KVH, int D, int bs, float scale, float *out, int threads) {
+    int64_t macs = 0;
+    for (int s = 0; s < S; s++) macs += (int64_t)(cu_q[s + 1] - cu_q[s]) * ctx[s] * H * D * 2;
+    struct attention_job job = {q, k_cache, v_cache, q_stride, tables, cu_q, ctx, max_blocks, H, KVH, D, bs,
+                                scale, out};
+    int items = cu_q[S] * H;
+    int chunk = items / (2 * threads) > 1 ? items / (2 * threads) : 1;
+    /* (a key costs several times its multiply-adds here: an exp, a rescale, a scattered page) */
+    parallel_rows(attention_items, &job, items, chunk, macs >= ATTENTION_PAR_MACS ? threads : 1);
 }
