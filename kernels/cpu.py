@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from . import reference
 
@@ -153,6 +154,11 @@ class CpuKernels:
                     bias: torch.Tensor | None = None) -> torch.Tensor:
         if packed.dtype != torch.uint8 or not self._ok(x, bias):
             return reference.linear_int8(x, packed, scales, bias)
+        if x.shape[0] > LINEAR_MAX_ROWS:
+            # A long prefill is compute-bound: BLAS on the weights dequantized for this call
+            # beats the integer kernel's per-row dot products there (measured, README).
+            q, fp_scales = self.unpack_int8(packed, scales)
+            return F.linear(x, q.to(x.dtype) * fp_scales[:, None], bias)
         x = x.contiguous()
         y = x.new_empty(x.shape[0], packed.shape[0])
         status = self.lib.pd_linear_u8(x.data_ptr(), packed.data_ptr(), scales.data_ptr(),

@@ -38,7 +38,7 @@ def test_linear_beyond_small_batches_is_blas(ops):
     assert torch.equal(ops.linear(x, w), reference.linear(x, w))
 
 
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, cpu.LINEAR_MAX_ROWS + 5])     # the last: dequantized BLAS
 def test_int8_product_is_as_exact_as_fp32_activations(ops, rows):
     w = rand(96, 256, seed=3) * torch.linspace(0.1, 4, 96)[:, None]
     q, scales = quantize(w)
