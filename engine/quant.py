@@ -1,8 +1,8 @@
 """Weight-only int8 quantization (per-output-channel scales) for the linear layers and LM head.
 
-Decode on CPU is bound by reading weights: int8 moves a quarter of fp32's bytes. Each `QuantLinear` keeps its full-precision
-weight too, so the mode can flip at run time and a speculative "self-draft" can run the int8
-copy while the target verifies with the original weights.
+Decode on CPU is bound by reading weights: int8 moves a quarter of fp32's bytes. Each
+`QuantLinear` keeps its full-precision weight too, so the mode can flip at run time and a
+speculative "self-draft" can run the int8 copy while the target verifies with the original weights.
 """
 from __future__ import annotations
 
