@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from . import reference
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
+HEADERS = (Path(__file__).with_name("cpu_pool.h"),)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 LINEAR_MAX_ROWS = 40       # above this BLAS's matrix-matrix products win (measured, README)
 QBLOCK = 64                # activation quantization block of the int8 product (cpu_kernels.c)
@@ -62,7 +63,8 @@ def build(cache_dir: Path, portable: bool = False) -> Path:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelsUnavailable(f"C compiler {compiler} does not run: {e}") from e
-    key = hashlib.sha1("\0".join([SOURCE.read_text(), version, *flags, _cpu_identity()]).encode()).hexdigest()
+    sources = [f.read_text() for f in (SOURCE, *HEADERS)]
+    key = hashlib.sha1("\0".join([*sources, version, *flags, _cpu_identity()]).encode()).hexdigest()
     out = cache_dir / "kernels" / f"cpu_kernels-{key[:16]}.so"
     if out.is_file():
         return out
