@@ -6,8 +6,9 @@ so the same forward serves prefill chunks, decodes and speculative verification.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Callable, Mapping
+from typing import Mapping, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +20,50 @@ from .model_config import ModelConfig
 
 Kernels = SimpleNamespace   # the ops of one backend (pdchat.kernels.load)
 
-# attend(layer_index, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]
-AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+@dataclass
+class AttentionBatch:
+    """Where a forward's T tokens go in the paged KV cache, and what they attend to (built by the
+    model runner; semantics in kernels/reference.py)."""
+    k_cache: torch.Tensor          # [layers, blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor     # [T] int64, -1 = do not store
+    block_tables: torch.Tensor     # [S, max_blocks] int32
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    context_lens: torch.Tensor     # [S] int32
+    query_lens_host: list[int]
+    context_lens_host: list[int]
+    scale: float
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ops: Kernels) -> torch.Tensor:
+        """Store this layer's new K/V, then attend: q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
+        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+        ops.store_kv(k, v, k_cache, v_cache, self.slot_mapping)
+        return ops.paged_attention(q, k_cache, v_cache, self.block_tables, self.query_start_loc, self.context_lens,
+                                   self.scale, query_lens_host=self.query_lens_host,
+                                   context_lens_host=self.context_lens_host)
+
+
+# (weight, scales, bias): scales None for full-precision weights, else the int8 copy packed by the backend.
+LinearWeights = tuple[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]
+
+
+class LayerWeights(NamedTuple):
+    """One block's tensors in the order its forward uses them, for backends that run whole layers."""
+    qkv: LinearWeights
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: LinearWeights
+    norm_mlp: torch.Tensor
+    gate_up: LinearWeights
+    down: LinearWeights
+    next_norm: torch.Tensor
+
+
+def active_weights(linear: nn.Module) -> LinearWeights:
+    """The weights a linear layer's next forward uses (an int8 QuantLinear says so itself)."""
+    active = getattr(linear, "active_weights", None)
+    return active() if active is not None else (linear.weight, None, linear.bias)
 
 
 class RMSNorm(nn.Module):
@@ -48,17 +91,18 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttendFn,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch,
                 ops: Kernels) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_norm is not None:     # per head, as rows of head_dim values
+            q = ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm.weight, self.q_norm.eps).view_as(q)
+            k = ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm.weight, self.k_norm.eps).view_as(k)
         q, k = ops.rope(q, k, cos, sin)
-        out = attend(self.layer, q, k, v)
+        out = batch.attend(self.layer, q, k, v, ops)
         return self.o(out.reshape(T, self.q_size))
 
 
@@ -81,11 +125,19 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, next_norm: RMSNorm, cos: torch.Tensor,
-                sin: torch.Tensor, attend: AttendFn, ops: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
+                sin: torch.Tensor, batch: AttentionBatch, ops: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the residual stream, h: its normalised form -> the same two after this block, h
         normalised by `next_norm` (each residual add is fused with the norm that follows it)."""
-        x, h = ops.add_rms_norm(x, self.attn(h, cos, sin, attend, ops), self.norm_mlp.weight, self.norm_mlp.eps)
+        x, h = ops.add_rms_norm(x, self.attn(h, cos, sin, batch, ops), self.norm_mlp.weight, self.norm_mlp.eps)
         return ops.add_rms_norm(x, self.mlp(h, ops), next_norm.weight, next_norm.eps)
+
+    def weights(self, next_norm: RMSNorm) -> LayerWeights:
+        attn = self.attn
+        return LayerWeights(active_weights(attn.qkv),
+                            attn.q_norm.weight if attn.q_norm is not None else None,
+                            attn.k_norm.weight if attn.k_norm is not None else None,
+                            active_weights(attn.o), self.norm_mlp.weight, active_weights(self.mlp.gate_up),
+                            active_weights(self.mlp.down), next_norm.weight)
 
 
 class Transformer(nn.Module):
@@ -100,6 +152,9 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.ops: Kernels = kernels.load("torch")     # the engine picks the device's backend
+        self.quant_switch = None      # quant.QuantSwitch once the loader wraps the linears
+        self._plans_for: tuple[int, int] | None = None   # (backend, weight version) of _plans
+        self._plans: dict[bool, object] = {}
         with torch.device("cpu"):   # real numbers even when built on the meta device
             self.register_buffer("inv_freq", cfg.rope_inv_freq(), persistent=False)
 
@@ -109,17 +164,36 @@ class Transformer(nn.Module):
         dtype = self.embed.weight.dtype
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden] (normalised)."""
         ops = self.ops
         cos, sin = self.rope(positions)
         x = self.embed(input_ids)
         first = self.layers[0].norm_attn
         h = ops.rms_norm(x, first.weight, first.eps)
-        norms_after = [b.norm_attn for b in self.layers[1:]] + [self.norm]
-        for block, next_norm in zip(self.layers, norms_after):
-            x, h = block(x, h, next_norm, cos, sin, attend, ops)
+        if ops.run_layers(self._layer_plan(), x, h, cos, sin, batch):
+            return h
+        for block, next_norm in zip(self.layers, self._norms_after()):
+            x, h = block(x, h, next_norm, cos, sin, batch, ops)
         return h
+
+    def _norms_after(self) -> list[RMSNorm]:
+        return [b.norm_attn for b in self.layers[1:]] + [self.norm]
+
+    def _layer_plan(self) -> object | None:
+        """The backend's prepared form of every block's active weights, for running all layers in
+        one call (None: it runs them op by op). Cached per weight set: a self-draft flips int8 on
+        and off every step."""
+        switch = self.quant_switch
+        int8, version = (switch.int8, switch.version) if switch is not None else (False, 0)
+        if self._plans_for != (id(self.ops), version):
+            self._plans_for, self._plans = (id(self.ops), version), {}
+        if int8 not in self._plans:
+            cfg = self.cfg
+            weights = [block.weights(norm) for block, norm in zip(self.layers, self._norms_after())]
+            self._plans[int8] = self.ops.prepare_layers(weights, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                                        cfg.rms_norm_eps)
+        return self._plans[int8]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:                  # tied, and not wrapped by the loader (bare model)

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .model import Transformer
+from .model import AttentionBatch, Transformer
 from .model_config import ModelConfig
 from .sequence import Sequence
 
@@ -71,13 +71,7 @@ class ModelRunner:
         block_tables = tables.to(dev, non_blocking=True)
         qsl = torch.tensor([0] + qlens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(dev, non_blocking=True)
         context_lens = torch.tensor(clens, dtype=torch.int32).to(dev, non_blocking=True)
-        k_cache, v_cache = self.k_cache, self.v_cache
-        ops = self.model.ops
-
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            ops.store_kv(k, v, k_cache[layer], v_cache[layer], slot_mapping)
-            return ops.paged_attention(q, k_cache[layer], v_cache[layer], block_tables, qsl, context_lens,
-                                        self.scale, query_lens_host=qlens, context_lens_host=clens)
-
-        hidden = self.model(input_ids, pos, attend)
+        batch = AttentionBatch(self.k_cache, self.v_cache, slot_mapping, block_tables, qsl, context_lens, qlens,
+                               clens, self.scale)
+        hidden = self.model(input_ids, pos, batch)
         return self.model.logits(hidden[torch.tensor(want, dtype=torch.long, device=dev)])

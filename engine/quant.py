@@ -25,6 +25,7 @@ class QuantSwitch:
     def __init__(self, ops: SimpleNamespace) -> None:
         self.int8 = False
         self.ops = ops
+        self.version = 0     # bumped when any layer's int8 weights change (cached kernel plans go stale)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,21 +51,31 @@ class QuantLinear(nn.Module):
         """Adopt canonical int8 weights (int8 [N, K], fp32 scales [N])."""
         device = self.weight.device
         self.qweight, self.scales = self.switch.ops.pack_int8(q.to(device), scales.to(device), self.weight.dtype)
+        self.switch.version += 1
 
     def int8_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The canonical form back (for the cache file)."""
         return self.switch.ops.unpack_int8(self.qweight, self.scales)
 
+    def active_weights(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(weight, scales, bias) of the next forward: the packed int8 copy with its scales when
+        int8 is on, else the full-precision weight and None."""
+        if self.switch.int8 and self.qweight is not None:
+            return self.qweight, self.scales, self.bias
+        return self.weight, None, self.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The engine's activations are always [tokens, features]: no reshape needed.
-        if self.switch.int8 and self.qweight is not None:
-            return self.switch.ops.linear_int8(x, self.qweight, self.scales, self.bias)
-        return self.switch.ops.linear(x, self.weight, self.bias)
+        weight, scales, bias = self.active_weights()
+        if scales is not None:
+            return self.switch.ops.linear_int8(x, weight, scales, bias)
+        return self.switch.ops.linear(x, weight, bias)
 
 
 def install(model: nn.Module, ops: SimpleNamespace) -> QuantSwitch:
-    """Wrap every nn.Linear of the model (and a tied LM head) in QuantLinear; fp weights unchanged."""
+    """Wrap every nn.Linear of the model in QuantLinear; fp weights unchanged."""
     switch = QuantSwitch(ops)
+    model.quant_switch = switch
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):

@@ -16,6 +16,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -94,7 +95,19 @@ _SIGNATURES = {
     "pd_silu_mul": ([_P, _P, _I, _I, _I], None),
     "pd_store_kv": ([_P, _L, _P, _L, _P, _P, _P, _I, _I, _I], None),
     "pd_paged_attention": ([_P, _L, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _P, _I], None),
+    "pd_layers": ([_P, _F, _P, _P, _P, _P, _P, _P, _P, _P, _L, _P, _I, _P, _P, _I, _I, _F, _I, _I], _I),
 }
+PTRS_PER_LAYER = 16        # pd_layers: qkv (weight, scales, bias), q/k norm, o (3), norm, gate_up (3), down (3), norm
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """All blocks' weights as pd_layers reads them; holds the tensors so the pointers stay valid."""
+    dims: ctypes.Array
+    eps: float
+    ptrs: ctypes.Array
+    tensors: tuple[torch.Tensor, ...]
+    head_dim: int
 
 
 @functools.cache   # one shared library per process (the loader caches it anyway)
@@ -210,6 +223,55 @@ class CpuKernels:
         out = gate_up.new_empty(gate_up.shape[0], inter)
         self.lib.pd_silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter, torch.get_num_threads())
         return out
+
+    # -- whole layers ----------------------------------------------------------------------------
+    def prepare_layers(self, layers: list, num_heads: int, num_kv_heads: int, head_dim: int,
+                       eps: float) -> LayerPlan | None:
+        """The pointer table of pd_layers (PTRS_PER_LAYER per layer, in model.LayerWeights order), or
+        None where the C code does not cover the weights (not fp32, or int8 not packed as u8)."""
+        first = layers[0]
+        dims = (len(layers), first.norm_mlp.shape[0], num_heads, num_kv_heads, head_dim, first.down[0].shape[1])
+        tensors: list[torch.Tensor] = []
+        ptrs: list[int | None] = []
+        for layer in layers:
+            for part in layer:
+                for t in (part if isinstance(part, tuple) else (part,)):
+                    if t is None:
+                        ptrs.append(None)
+                        continue
+                    packed = t.dtype == torch.uint8 and t.dim() == 2
+                    if not ((packed or t.dtype == torch.float32) and t.is_cpu and t.is_contiguous()):
+                        return None
+                    tensors.append(t)
+                    ptrs.append(t.data_ptr())
+        return LayerPlan((ctypes.c_int * 6)(*dims), eps, (ctypes.c_void_p * len(ptrs))(*ptrs), tuple(tensors),
+                         head_dim)
+
+    def run_layers(self, plan: LayerPlan | None, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, batch) -> bool:
+        """All blocks in one C call for batches whose every op the C kernels take: up to
+        LINEAR_MAX_ROWS tokens, attention in C for every sequence (decodes, short verifies)."""
+        T = x.shape[0]
+        if plan is None or T > LINEAR_MAX_ROWS or plan.head_dim > 512:
+            return False
+        k_cache, v_cache = batch.k_cache, batch.v_cache
+        if not (self._ok(x, h, cos, sin, k_cache, v_cache)
+                and all(t.is_contiguous() for t in (x, h, cos, sin, k_cache, v_cache))
+                and batch.slot_mapping.dtype == torch.int64
+                and all(map(attention_in_c, batch.query_lens_host, batch.context_lens_host))):
+            return False
+        tables = batch.block_tables.to(torch.int32).contiguous()
+        cu_q = batch.query_start_loc.to(torch.int32).contiguous()
+        ctx = batch.context_lens.to(torch.int32).contiguous()
+        slots = batch.slot_mapping.contiguous()
+        status = self.lib.pd_layers(plan.dims, plan.eps, plan.ptrs, x.data_ptr(), h.data_ptr(), cos.data_ptr(),
+                                    sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                    k_cache.stride(0), tables.data_ptr(), tables.shape[1], cu_q.data_ptr(),
+                                    ctx.data_ptr(), len(ctx), k_cache.shape[2], batch.scale, T,
+                                    torch.get_num_threads())
+        if status != 0:
+            raise MemoryError("CPU layers: out of memory for the activations")
+        return True
 
     # -- attention -------------------------------------------------------------------------------
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

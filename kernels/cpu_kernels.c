@@ -26,7 +26,7 @@
  * product this way made a SmolLM2-135M decode step 1.4x slower on 2 cores: products and
  * attention use the spinning pool below instead.) */
 #define PAR_MIN_MACS (2LL << 20)       /* multiply-adds */
-#define ATTENTION_PAR_MACS (256LL << 10) /* attention on the pool: below this, a decode runs serially faster */
+#define ATTENTION_PAR_MACS (48LL << 10) /* attention on the pool: below this, a decode runs serially faster */
 #include "cpu_pool.h"    /* parallel_rows(): products and attention run on it */
 
 #define QBLOCK 64  /* int8 activations: one scale per block of 64 values, so an outlier spoils one block */
@@ -340,28 +340,35 @@ static void attention_items(const void *arg, int lo, int hi) {
         float acc[MAX_HEAD_DIM], sc[KEY_TILE];
         float m = -INFINITY, l = 0.f;
         for (int i = 0; i < D; i++) acc[i] = 0.f;
-        for (int j0 = 0; j0 <= pos; j0 += KEY_TILE) {
-            int n = pos + 1 - j0 < KEY_TILE ? pos + 1 - j0 : KEY_TILE;
+        for (int j0 = 0; j0 <= pos;) {
+            /* a tile of keys within one cache block: contiguous rows, one table lookup */
+            int in_block = bs - j0 % bs, left = pos + 1 - j0;
+            int n = left < in_block ? left : in_block;
+            n = n < KEY_TILE ? n : KEY_TILE;
+            size_t first = ((size_t)table[j0 / bs] * bs + j0 % bs) * row + head;
+            const float *kr = k_cache + first, *vr = v_cache + first;
             float tile_max = -INFINITY;
             for (int j = 0; j < n; j++) {
-                int key = j0 + j;
-                const float *kr = k_cache + ((size_t)table[key / bs] * bs + key % bs) * row + head;
-                sc[j] = dot_f32(qv, kr, D) * scale;
+                sc[j] = dot_f32(qv, kr + j * row, D) * scale;
                 tile_max = fmaxf(tile_max, sc[j]);
             }
-            float m_new = fmaxf(m, tile_max), rescale = exp_fast(m - m_new);
-            l *= rescale;
+            float m_new = fmaxf(m, tile_max), rescale = exp_fast(m - m_new), tile_sum = 0.f;
+#pragma omp simd reduction(+ : tile_sum)
+            for (int j = 0; j < n; j++) {        /* (a separate loop: the exps vectorize) */
+                sc[j] = exp_fast(sc[j] - m_new);
+                tile_sum += sc[j];
+            }
+            l = l * rescale + tile_sum;
 #pragma omp simd
             for (int i = 0; i < D; i++) acc[i] *= rescale;
             for (int j = 0; j < n; j++) {
-                int key = j0 + j;
-                const float *vr = v_cache + ((size_t)table[key / bs] * bs + key % bs) * row + head;
-                float p = exp_fast(sc[j] - m_new);
-                l += p;
+                const float *vj = vr + j * row;
+                float p = sc[j];
 #pragma omp simd
-                for (int i = 0; i < D; i++) acc[i] += p * vr[i];
+                for (int i = 0; i < D; i++) acc[i] += p * vj[i];
             }
             m = m_new;
+            j0 += n;
         }
         float *o = out + ((int64_t)t * H + h) * D;
         float inv = 1.f / l;
@@ -381,4 +388,55 @@ void pd_paged_attention(const float *q, int64_t q_stride, const float *k_cache, 
     int chunk = items / (2 * threads) > 1 ? items / (2 * threads) : 1;
     /* (a key costs several times its multiply-adds here: an exp, a rescale, a scattered page) */
     parallel_rows(attention_items, &job, items, chunk, macs >= ATTENTION_PAR_MACS ? threads : 1);
+}
+
+/* ---- whole layers: one call per forward, so a decode step pays Python's overhead once ---- */
+
+/* ptrs[0..2] = weight, scales, bias; scales NULL means fp32 weights, else u8 weights (q + 128). */
+static int linear_any(const float *x, const void *const *lin, float *y, int M, int N, int K, int threads) {
+    if (lin[1]) return pd_linear_u8(x, lin[0], lin[1], lin[2], y, M, N, K, threads);
+    pd_linear_f32(x, lin[0], lin[2], y, M, N, K, threads);
+    return 0;
+}
+
+enum { W_QKV = 0, W_Q_NORM = 3, W_K_NORM, W_O, W_NORM_MLP = 8, W_GATE_UP, W_DOWN = 12, W_NEXT_NORM = 15,
+       PTRS_PER_LAYER };
+
+/* Every block of a Llama-family model, in place on x [T, D] (the residual stream) and h [T, D] (its
+ * normalised form), exactly as the model's op-by-op forward (engine/model.py) does with these
+ * kernels. dims = {layers, D, H, KVH, head_dim, intermediate}; ptrs: PTRS_PER_LAYER per layer in
+ * the order above (q/k norm NULL when the model has none). The caches hold all layers,
+ * `layer_stride` floats apart. Returns -1 if out of memory. */
+int pd_layers(const int *dims, float eps, const void *const *ptrs, float *x, float *h, const float *cos,
+              const float *sin, const int64_t *slots, float *k_cache, float *v_cache, int64_t layer_stride,
+              const int32_t *tables, int max_blocks, const int32_t *cu_q, const int32_t *ctx, int S, int bs,
+              float scale, int T, int threads) {
+    int L = dims[0], D = dims[1], H = dims[2], KVH = dims[3], Dh = dims[4], I = dims[5];
+    int Nq = H * Dh, Nkv = KVH * Dh, Nqkv = Nq + 2 * Nkv;
+    float *qkv = malloc(sizeof(float) * (size_t)T * (Nqkv + Nq + D + 3 * (size_t)I));
+    if (!qkv) return -1;
+    float *att = qkv + (size_t)T * Nqkv, *delta = att + (size_t)T * Nq, *gu = delta + (size_t)T * D;
+    float *act = gu + (size_t)T * 2 * I, *q = qkv, *k = qkv + Nq, *v = k + Nkv;
+    int status = 0;
+    for (int l = 0; l < L && status == 0; l++) {
+        const void *const *p = ptrs + (size_t)l * PTRS_PER_LAYER;
+        float *kc = k_cache + l * layer_stride, *vc = v_cache + l * layer_stride;
+        status |= linear_any(h, p + W_QKV, qkv, T, Nqkv, D, threads);
+        if (p[W_Q_NORM])
+            for (int t = 0; t < T; t++) {   /* (in place: each row's scale is taken before it is written) */
+                pd_rms_norm(q + (size_t)t * Nqkv, p[W_Q_NORM], q + (size_t)t * Nqkv, H, Dh, eps, 1);
+                pd_rms_norm(k + (size_t)t * Nqkv, p[W_K_NORM], k + (size_t)t * Nqkv, KVH, Dh, eps, 1);
+            }
+        pd_rope(q, Nqkv, H, k, Nqkv, KVH, cos, sin, T, Dh, threads);
+        pd_store_kv(k, Nqkv, v, Nqkv, kc, vc, slots, T, KVH, Dh);
+        pd_paged_attention(q, Nqkv, kc, vc, tables, max_blocks, cu_q, ctx, S, H, KVH, Dh, bs, scale, att, threads);
+        status |= linear_any(att, p + W_O, delta, T, D, Nq, threads);
+        pd_add_rms_norm(x, delta, p[W_NORM_MLP], h, T, D, eps, threads);
+        status |= linear_any(h, p + W_GATE_UP, gu, T, 2 * I, D, threads);
+        pd_silu_mul(gu, act, T, I, threads);
+        status |= linear_any(act, p + W_DOWN, delta, T, D, I, threads);
+        pd_add_rms_norm(x, delta, p[W_NEXT_NORM], h, T, D, eps, threads);
+    }
+    free(qkv);
+    return status;
 }

@@ -164,3 +164,20 @@ def int8_supported(device: torch.device) -> bool:
         return True
     except (RuntimeError, NotImplementedError, AttributeError):
         return False
+
+
+# ---- whole layers ----------------------------------------------------------------------------
+# A backend may run every block of a forward in one call (the CPU kernels do, for small batches,
+# where Python's per-op overhead rivals the arithmetic). Here there is no such path: the model
+# runs its blocks op by op, with the functions above.
+
+def prepare_layers(layers: list, num_heads: int, num_kv_heads: int, head_dim: int, eps: float) -> None:
+    """layers: model.LayerWeights per block -> the backend's plan for run_layers (None: no plan)."""
+    return None
+
+
+def run_layers(plan: object | None, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               batch: object) -> bool:
+    """Run every block in place on x (the residual stream) and h (its normalised form); False when
+    the backend cannot for this batch, and the model runs the blocks itself."""
+    return False

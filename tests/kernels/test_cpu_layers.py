@@ -1,0 +1,87 @@
+"""The CPU backend's one-call forward of all layers (pd_layers) against the same kernels called op
+by op from engine/model.py: the same numbers, the same KV cache, and the op-by-op path wherever the
+C code does not cover a batch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdchat.engine import Engine
+from pdchat.engine.model_runner import Work
+from pdchat.kernels import reference
+
+
+@pytest.fixture(params=["tiny", "tiny-qwen2", "tiny-qwen3"])
+def engine(request):
+    with Engine(model=f"random:{request.param}", kernels="cpu", telemetry=False, num_kv_blocks=64) as e:
+        yield e
+
+
+def spy_on_layers(engine, monkeypatch) -> list[bool]:
+    """Record whether each forward ran its layers in one call."""
+    ops, calls = engine.runner.model.ops, []
+    real = ops.run_layers
+
+    def spy(*args):
+        calls.append(real(*args))
+        return calls[-1]
+    monkeypatch.setattr(ops, "run_layers", spy)
+    return calls
+
+
+def both_paths(engine, monkeypatch, items: list[Work], rows: list[list[int]]):
+    """Logits and caches after one forward with pd_layers and, from the same cache, without."""
+    runner = engine.runner
+    before = runner.k_cache.clone(), runner.v_cache.clone()
+    fused = runner.forward(items, rows), runner.k_cache.clone(), runner.v_cache.clone()
+    runner.k_cache.copy_(before[0])
+    runner.v_cache.copy_(before[1])
+    with monkeypatch.context() as m:
+        m.setattr(runner.model.ops, "run_layers", reference.run_layers)
+        plain = runner.forward(items, rows), runner.k_cache, runner.v_cache
+    return before, fused, plain
+
+
+@pytest.mark.parametrize("quant", ["none", "int8"])
+def test_one_call_forward_matches_op_by_op(engine, monkeypatch, quant):
+    engine.update(quant=quant)
+    calls = spy_on_layers(engine, monkeypatch)
+    g = torch.Generator().manual_seed(1)
+    bs = engine.blocks.block_size
+    prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (7, bs + 5, 3)]
+    tables = [[5, 9], [2, 11, 7], [30, 4]]           # scattered blocks, as the block manager leaves them
+    steps = [
+        ([Work(p, 0, t) for p, t in zip(prompts, tables)], [[len(p) - 1] for p in prompts]),   # prefills
+        # decodes beside a 3-token speculative verification
+        ([Work([11], len(prompts[0]), tables[0]), Work([12], len(prompts[1]), tables[1]),
+          Work([13, 14, 15], len(prompts[2]), tables[2])], [[0], [0], [0, 1, 2]]),
+    ]
+    for items, rows in steps:
+        before, (fused, k1, v1), (plain, k2, v2) = both_paths(engine, monkeypatch, items, rows)
+        assert torch.equal(fused, plain) and torch.equal(k1, k2) and torch.equal(v1, v2)
+        assert not torch.equal(k1, before[0]), "the forward stored no K/V"
+    assert calls == [True, True]
+
+
+def test_batches_beyond_the_c_code_run_op_by_op(engine, monkeypatch):
+    calls = spy_on_layers(engine, monkeypatch)
+    long_prompt = list(range(50))                 # more rows than the C products take
+    runner = engine.runner
+    logits = runner.forward([Work(long_prompt, 0, [1, 2, 3, 4, 5, 6, 7])], [[49]])
+    assert calls == [False] and logits.isfinite().all()
+
+
+def test_plans_follow_the_quant_mode_and_new_int8_weights(engine):
+    model = engine.runner.model
+    engine.update(quant="int8")                        # computes the int8 copies
+    int8_plan = model._layer_plan()
+    engine.update(quant="none")
+    fp_plan = model._layer_plan()
+    assert {t.dtype for t in int8_plan.tensors} > {torch.uint8}
+    assert torch.uint8 not in {t.dtype for t in fp_plan.tensors}
+    engine.update(quant="int8")
+    assert model._layer_plan() is int8_plan            # cached: the self-draft flips every step
+    engine.update(quant="none")
+    assert model._layer_plan() is fp_plan
+    model.quant_switch.version += 1                    # as QuantLinear.set_int8 does
+    assert model._layer_plan() is not fp_plan
