@@ -244,6 +244,8 @@ class CpuKernels:
                         return None
                     tensors.append(t)
                     ptrs.append(t.data_ptr())
+        if len(ptrs) != PTRS_PER_LAYER * len(layers):    # the C side reads a fixed table
+            raise ValueError(f"pd_layers takes {PTRS_PER_LAYER} tensors per layer, got {len(ptrs) // len(layers)}")
         return LayerPlan((ctypes.c_int * 6)(*dims), eps, (ctypes.c_void_p * len(ptrs))(*ptrs), tuple(tensors),
                          head_dim)
 
