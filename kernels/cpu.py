@@ -32,10 +32,13 @@ QBLOCK = 64                # activation quantization block of the int8 product (
 
 
 def attention_in_c(query_len: int, context_len: int) -> bool:
-    """Whether the C kernel beats flash SDPA for one sequence's share of a batch (measured, README):
-    decodes and short verifies always; longer query runs only over short contexts (the kernel
-    does one query row at a time, SDPA a matrix product)."""
-    return query_len <= 3 or query_len * context_len <= 2048
+    """Whether the C kernel rather than flash SDPA attends for one sequence's share of a batch
+    (measured, README): decodes and short verifies always; speculative verifies (up to 16 queries)
+    over up to 16K query-key pairs; longer query runs only over short contexts (the kernel does
+    one query row at a time, SDPA a matrix product). Alone, SDPA wins a 9-query verify from ~256
+    positions on; inside a step its OpenMP threads and the C products' pool contend for the cores,
+    and C attention (which also lets the whole forward run in one call) wins up to ~1,800."""
+    return query_len <= 3 or query_len * context_len <= (16384 if query_len <= 16 else 2048)
 
 
 class KernelsUnavailable(RuntimeError):

@@ -137,9 +137,9 @@ def test_long_query_runs_go_to_flash_sdpa(ops):
 
 
 def test_mixed_step_sends_each_sequence_to_its_kernel(ops):
-    # decodes (C), a long chunk over a long context (SDPA), a short verify (C), interleaved
-    qlens, clens = [1, 40, 4, 1], [30, 300, 90, 7]
-    assert [cpu.attention_in_c(n, c) for n, c in zip(qlens, clens)] == [True, False, True, True]
+    # decodes (C), a long chunk over a long context (SDPA), a verify (C), a verify over a long context (SDPA)
+    qlens, clens = [1, 40, 4, 1, 9], [30, 300, 90, 7, 1900]
+    assert [cpu.attention_in_c(n, c) for n, c in zip(qlens, clens)] == [True, False, True, True, False]
     batch = Batch(qlens, clens, 2, 3, 32, block_size=8, dtype=torch.float32)
     out = ops.paged_attention(*batch.args("cpu"), 0.2, query_lens_host=qlens, context_lens_host=clens)
     torch.testing.assert_close(out, batch.expected(0.2), **TOL)
