@@ -2,7 +2,9 @@
 
 The batch is flat: T tokens from any number of sequences, each with its own position. Attention
 is delegated to a backend that writes the new K/V rows into the paged cache and attends over it,
-so the same forward serves prefill chunks, decodes and speculative verification.
+so the same forward serves prefill chunks, decodes and speculative verification. A backend may
+also run all blocks in one call (the CPU kernels do for small batches); the op-by-op forward here
+is what it must compute.
 """
 from __future__ import annotations
 

@@ -3,8 +3,9 @@
 Same functions and semantics as `reference` (tests compare them). Each falls back to its reference
 twin outside the cases the C code covers: fp32 only; matrix products for small row counts (decode
 batches, speculative verification: where BLAS streams weights slowly and per-op overhead
-dominates); attention for decodes, short verifies and short contexts (the rest goes to PyTorch's
-flash SDPA).
+dominates); attention for decodes, verifies and short contexts (the rest goes to PyTorch's
+flash SDPA). Where a batch stays inside all of these, `run_layers` runs every block of the
+forward in one call (pd_layers), so a decode step crosses from Python into C once.
 """
 from __future__ import annotations
 
@@ -255,7 +256,7 @@ class CpuKernels:
     def run_layers(self, plan: LayerPlan | None, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, batch) -> bool:
         """All blocks in one C call for batches whose every op the C kernels take: up to
-        LINEAR_MAX_ROWS tokens, attention in C for every sequence (decodes, short verifies)."""
+        LINEAR_MAX_ROWS tokens, attention in C for every sequence (decodes, verifies)."""
         T = x.shape[0]
         if plan is None or T > LINEAR_MAX_ROWS or plan.head_dim > 512:
             return False
