@@ -294,8 +294,7 @@ class CpuKernels:
                         context_lens: torch.Tensor, scale: float, *,
                         query_lens_host: list[int] | None = None,
                         context_lens_host: list[int] | None = None) -> torch.Tensor:
-        qlens = query_lens_host or (query_start_loc[1:] - query_start_loc[:-1]).tolist()
-        clens = context_lens_host or context_lens.tolist()
+        qlens, clens = reference.host_lengths(query_start_loc, context_lens, query_lens_host, context_lens_host)
         fits = (q.shape[2] <= 512 and self._ok(q, k_cache, v_cache) and self._rows(q)
                 and k_cache.is_contiguous() and v_cache.is_contiguous())
         in_c = [fits and attention_in_c(n, c) for n, c in zip(qlens, clens)]

@@ -40,14 +40,20 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
+def host_lengths(query_start_loc: torch.Tensor, context_lens: torch.Tensor, query_lens_host: list[int] | None,
+                 context_lens_host: list[int] | None) -> tuple[list[int], list[int]]:
+    """Each sequence's query and context length as Python ints: the given lists, else read back."""
+    return (query_lens_host or (query_start_loc[1:] - query_start_loc[:-1]).tolist(),
+            context_lens_host or context_lens.tolist())
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     context_lens: torch.Tensor, scale: float, *,
                     query_lens_host: list[int] | None = None,
                     context_lens_host: list[int] | None = None) -> torch.Tensor:
     """q: [T, H, D] -> out [T, H, D]. The *_host lists, when given, spare a device->host copy."""
-    qlens = query_lens_host or (query_start_loc[1:] - query_start_loc[:-1]).tolist()
-    clens = context_lens_host or context_lens.tolist()
+    qlens, clens = host_lengths(query_start_loc, context_lens, query_lens_host, context_lens_host)
     out = torch.empty_like(q)
     if all(n == 1 for n in qlens):
         return _decode(q, k_cache, v_cache, block_tables, clens, scale, out)
