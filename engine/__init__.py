@@ -5,7 +5,7 @@
 from .config import DEFAULT_MODEL, EngineConfig, SamplingParams
 from .engine import Engine
 from .errors import (ContextTooLong, DeviceUnavailable, EngineClosed, EngineError, InvalidRequest,
-                     KVCacheTooSmall, ModelLoadError, ModelNotFound, UnsupportedModel)
+                     KVCacheTooSmall, ModelLoadError, ModelNotFound, SamplingFailed, UnsupportedModel)
 from .metrics import EngineStats, RequestMetrics
 from .stream import Completion, FinishEvent, ProgressEvent, RequestStream, TokenEvent
 
@@ -13,5 +13,5 @@ __all__ = [
     "DEFAULT_MODEL", "Engine", "EngineConfig", "SamplingParams", "EngineStats", "RequestMetrics",
     "Completion", "FinishEvent", "ProgressEvent", "RequestStream", "TokenEvent",
     "EngineError", "ContextTooLong", "DeviceUnavailable", "EngineClosed", "InvalidRequest",
-    "KVCacheTooSmall", "ModelLoadError", "ModelNotFound", "UnsupportedModel",
+    "KVCacheTooSmall", "ModelLoadError", "ModelNotFound", "SamplingFailed", "UnsupportedModel",
 ]

@@ -1,11 +1,18 @@
 """Engine and sampling configuration: plain dataclasses, validated once."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from .errors import InvalidRequest
 
 DEFAULT_MODEL = "smollm2-135m"
+# Below this temperature sampling is greedy: logits / t would overflow fp32 (a logit of 10 over
+# 1e-40 is inf, then softmax is NaN), and the distribution is one-hot long before that anyway.
+# vLLM draws the line at the same place.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+# torch.Generator takes 64-bit seeds, signed or not (it folds negative ones).
+SEED_RANGE = (-(2**63), 2**64)
 
 
 @dataclass
@@ -61,23 +68,25 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_tokens is None or self.max_tokens <= 0:
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise InvalidRequest(f"max tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequest(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise InvalidRequest(f"top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InvalidRequest(f"top-k must be >= 0, got {self.top_k}")
         if not 0 <= self.min_p < 1:
             raise InvalidRequest(f"min-p must be in [0, 1), got {self.min_p}")
+        if self.seed is not None and not (isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+            raise InvalidRequest(f"seed must be a whole number that fits 64 bits, got {self.seed}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in self.stop if s]
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
 
     def with_(self, **changes) -> "SamplingParams":
         return replace(self, **changes)

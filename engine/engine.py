@@ -26,15 +26,16 @@ from . import quant
 from .block_manager import BlockManager
 from .config import EngineConfig, SamplingParams
 from .detokenizer import IncrementalDetokenizer, TextOutput
-from .errors import ContextTooLong, EngineClosed, InvalidRequest, KVCacheTooSmall
+from .errors import ContextTooLong, EngineClosed, EngineError, InvalidRequest, KVCacheTooSmall, SamplingFailed
 from .loader import load, pick_device, pick_dtype
+from .memory import release_freed_memory
 from .metrics import EngineStats, RequestMetrics
 from .model_runner import ModelRunner, Work
 from .model_source import resolve
 from .paths import cache_dir
 from .prompt import Prompt, encode_prompt
-from .sampler import sample
-from .scheduler import Scheduler, StepPlan
+from .sampler import NO_TOKEN, sample
+from .scheduler import ScheduledSeq, Scheduler, StepPlan
 from .sequence import Sequence, Status
 from .spec import AdaptiveK, Draft, DraftProposer, NgramProposer, verify
 from .stream import Completion, FinishEvent, ProgressEvent, RequestStream, TokenEvent
@@ -211,8 +212,7 @@ class Engine:
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, system: str | None = None,
                namespace: Any = None) -> RequestStream:
         """Queue a request; returns its stream at once. Raises InvalidRequest / ContextTooLong."""
-        if self._closed:
-            raise EngineClosed("the engine is shut down")
+        self._check_open()
         params = params or SamplingParams()
         ids = self.encode(prompt, system)
         if len(ids) >= self.max_model_len:
@@ -248,6 +248,7 @@ class Engine:
 
         For scoring (perplexity) and for checking against a reference implementation.
         """
+        self._check_open()
         with self._lock:
             seq = Sequence("score", list(token_ids), SamplingParams(max_tokens=1))
             if not self.blocks.ensure_capacity(seq, len(token_ids)):
@@ -259,7 +260,9 @@ class Engine:
 
     # ---- toggles & stats ------------------------------------------------------------------
     def update(self, **changes: Any) -> None:
-        """Runtime toggles: prefix_cache, kv_cache, chunk_size, max_num_seqs. Apply to new steps."""
+        """Runtime settings: prefix_cache, kv_cache, chunk_size, max_num_seqs, quant, spec,
+        spec_tokens. Apply to new steps."""
+        self._check_open()
         with self._lock:
             unknown = set(changes) - {"prefix_cache", "kv_cache", "chunk_size", "max_num_seqs", "quant",
                                       "spec", "spec_tokens"}
@@ -311,6 +314,10 @@ class Engine:
             st.peak_bandwidth = peak_bandwidth(snap.device_name) if self.device.type == "cuda" else None
         return st
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosed("the engine is shut down")
+
     def close(self) -> None:
         if self._closed:
             return
@@ -320,6 +327,10 @@ class Engine:
         self._thread.join(timeout=30)
         if self.monitor is not None:
             self.monitor.stop()
+        # Weights and the KV pool are nearly all of the engine's memory: let them go even while a
+        # caller still holds this object, and return the pages (a model switch must not keep both).
+        self.loaded = self.runner = self._draft = self._draft_runner = self.proposer = None
+        release_freed_memory(self.device)
 
     def __enter__(self) -> "Engine":
         return self
@@ -333,7 +344,7 @@ class Engine:
             self._drain_inbox()
             if self._closed:
                 for seq in list(self._seqs.values()):
-                    self._finish(seq, "cancelled", error="engine shut down")
+                    self._finish(seq, "cancelled", EngineClosed("engine shut down"))
                 return
             if not self.scheduler.has_work:
                 self._wake.wait()
@@ -343,9 +354,7 @@ class Engine:
                 try:
                     self.step()
                 except Exception as e:   # a failed step must not kill the engine
-                    traceback.print_exc(file=sys.stderr)
-                    for seq in list(self.scheduler.running):
-                        self._finish(seq, "error", error=f"{type(e).__name__}: {e}")
+                    self._fail(list(self.scheduler.running), e)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -362,18 +371,47 @@ class Engine:
                 self._finish(self._seqs[arg], "cancelled")
 
     def step(self) -> StepPlan:
-        """One scheduling step and one forward. Runs on the loop thread."""
+        """One scheduling step and one forward: schedule -> run -> postprocess. Runs on the loop
+        thread. A fault in one request's sampling, detokenizing or stop handling ends that request
+        alone; the forward itself failing ends the requests that took part in it."""
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         for seq in plan.failed:
-            self._finish(seq, "error", error=(
+            self._finish(seq, "error", KVCacheTooSmall(
                 f"the KV pool ({self.blocks.num_blocks * self.blocks.block_size} tokens) cannot hold "
                 f"this request; raise --kv-cache-mb"))
         if not plan.items:
             return plan
+        try:
+            logits, starts, drafts, candidates = self._run(plan)
+        except Exception as e:
+            self._fail([item.seq for item in plan.items], e)
+            return plan
+        sampled = self._sample(plan, logits, starts, drafts)
+        now = time.perf_counter()
+        decode_tokens = plan.num_decode_tokens
+        for idx, item in enumerate(plan.items):
+            draft = drafts.get(idx)
+            decode_tokens += len(draft.tokens) if draft else 0
+            try:
+                self._postprocess(item, draft, logits[starts[idx]:starts[idx + 1]], sampled.get(idx), now,
+                                  rollback=idx in candidates)
+            except Exception as e:
+                self._fail([item.seq], e)
+        step_s = time.perf_counter() - t0
+        self._last_step = (step_s * 1000, plan.num_prefill_tokens, decode_tokens)
+        if not plan.num_prefill_tokens:    # decode-only: memory traffic = weights + the K/V attended over
+            kv_read = sum(len(i.seq.token_ids) for i in plan.items) * self.kv_bytes_per_token
+            self._bandwidth = achieved_bandwidth(self._weight_read_bytes, kv_read, 1 / step_s)
+        return plan
+
+    def _run(self, plan: StepPlan) -> tuple[torch.Tensor, list[int], dict[int, Draft], list[int]]:
+        """Drafts (if speculating) and the one forward of the step: logits of the rows that sample,
+        with each item's first row in `starts`."""
         for item in plan.items:
-            if item.seq.t_first_token is None and item.seq.num_computed_tokens == (item.seq.num_cached_prompt_tokens or 0):
-                self._progress(item.seq, "prefill", item.seq.num_computed_tokens)
+            seq = item.seq
+            if seq.t_first_token is None and seq.num_computed_tokens == (seq.num_cached_prompt_tokens or 0):
+                self._progress(seq, "prefill", seq.num_computed_tokens)
         drafts, candidates = self._propose(plan.items)
         work, rows = [], []
         for idx, item in enumerate(plan.items):
@@ -388,52 +426,53 @@ class Engine:
         starts = [0]
         for r in rows:
             starts.append(starts[-1] + len(r))
+        return logits, starts, drafts, candidates
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor, starts: list[int],
+                drafts: dict[int, Draft]) -> dict[int, list[int]]:
+        """One token for each item that samples without a draft; NO_TOKEN rows are left out
+        (their request then fails alone)."""
         plain = [idx for idx, item in enumerate(plan.items) if item.samples and idx not in drafts]
-        sampled = []
-        if plain:
-            seqs = [plan.items[i].seq for i in plain]
-            sampled = sample(logits[[starts[i] for i in plain]], [s.params for s in seqs],
-                             [s.generator or self._generator for s in seqs]).tolist()
-        new_tokens = dict(zip(plain, ([t] for t in sampled)))
-        now = time.perf_counter()
-        prefill_tokens, decode_tokens = plan.num_prefill_tokens, plan.num_decode_tokens
-        for idx, item in enumerate(plan.items):
-            seq = item.seq
-            mid_prefill = not item.samples
-            seq.num_computed_tokens += item.num_tokens
-            if idx in drafts:
-                draft = drafts[idx]
-                tokens, accepted = verify(logits[starts[idx]:starts[idx + 1]], draft, seq,
-                                          seq.generator or self._generator)
-                seq.num_computed_tokens += accepted          # accepted drafts' K/V are now valid
-                seq.draft_computed = min(seq.draft_computed, seq.num_computed_tokens)
-                seq.spec_method = self.proposer.name
-                seq.spec_drafted += len(draft.tokens)
-                seq.spec_accepted += accepted
-                seq.spec_steps += 1
-                self.adaptive.update(seq, len(draft.tokens), accepted)
-                new_tokens[idx] = tokens
-                decode_tokens += len(draft.tokens)
-            if self.scheduler.kv_cache:
-                self.blocks.commit(seq, seq.num_computed_tokens)   # verified tokens only
-            if mid_prefill:
-                self._progress(seq, "prefill", seq.num_computed_tokens)
-        for idx, tokens in new_tokens.items():
-            seq = plan.items[idx].seq
-            for token in tokens:
-                if seq.finished:
-                    break
-                self._append(seq, token, now)
-        for idx in candidates:                      # release blocks that held rejected drafts
-            seq = plan.items[idx].seq
-            if not seq.finished:
-                self.blocks.truncate(seq, len(seq.token_ids))
-        step_s = time.perf_counter() - t0
-        self._last_step = (step_s * 1000, prefill_tokens, decode_tokens)
-        if not prefill_tokens:       # decode-only: memory traffic = weights + the K/V attended over
-            kv_read = sum(len(i.seq.token_ids) for i in plan.items) * self.kv_bytes_per_token
-            self._bandwidth = achieved_bandwidth(self._weight_read_bytes, kv_read, 1 / step_s)
-        return plan
+        if not plain:
+            return {}
+        seqs = [plan.items[i].seq for i in plain]
+        tokens = sample(logits[[starts[i] for i in plain]], [s.params for s in seqs],
+                        [s.generator or self._generator for s in seqs]).tolist()
+        return {idx: [t] for idx, t in zip(plain, tokens) if t != NO_TOKEN}
+
+    def _verify(self, seq: Sequence, draft: Draft, logits: torch.Tensor) -> list[int]:
+        tokens, accepted = verify(logits, draft, seq, seq.generator or self._generator)
+        seq.num_computed_tokens += accepted          # accepted drafts' K/V are now valid
+        seq.draft_computed = min(seq.draft_computed, seq.num_computed_tokens)
+        seq.spec_method = self.proposer.name
+        seq.spec_drafted += len(draft.tokens)
+        seq.spec_accepted += accepted
+        seq.spec_steps += 1
+        self.adaptive.update(seq, len(draft.tokens), accepted)
+        return tokens
+
+    def _postprocess(self, item: ScheduledSeq, draft: Draft | None, logits: torch.Tensor,
+                     sampled: list[int] | None, now: float, rollback: bool) -> None:
+        """After the forward, for one item: its computed count, the verify of its draft, block
+        commits, its new tokens, and the release of blocks that held rejected drafts."""
+        seq = item.seq
+        samples = item.samples                       # read before the count moves
+        seq.num_computed_tokens += item.num_tokens
+        tokens = self._verify(seq, draft, logits) if draft else sampled
+        if self.scheduler.kv_cache:
+            self.blocks.commit(seq, seq.num_computed_tokens)   # verified tokens only
+        if not samples:
+            self._progress(seq, "prefill", seq.num_computed_tokens)
+            return
+        if tokens is None:
+            raise SamplingFailed("the model's output has no usable distribution to sample from "
+                                 "(non-finite logits)")
+        for token in tokens:
+            if seq.finished:
+                break
+            self._append(seq, token, now)
+        if rollback and not seq.finished:
+            self.blocks.truncate(seq, len(seq.token_ids))
 
     def _propose(self, items: list) -> tuple[dict[int, Draft], list[int]]:
         """Draft tokens for running decodes (speculative decoding), with blocks reserved for them."""
@@ -484,16 +523,28 @@ class Engine:
         if reason:
             self._finish(seq, reason)
 
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+    def _fail(self, seqs: list[Sequence], e: Exception) -> None:
+        """End these requests with finish_reason "error"; an engine bug is also printed in full."""
+        if not isinstance(e, EngineError):
+            traceback.print_exc(file=sys.stderr)
+        for seq in seqs:
+            self._finish(seq, "error", e)
+
+    def _finish(self, seq: Sequence, reason: str, error: Exception | None = None) -> None:
         if seq.finished:
             return
         self.scheduler.remove(seq)
+        self._seqs.pop(seq.request_id, None)
+        out = self._outputs.pop(seq.request_id)
+        try:
+            out.finish()          # completion.text may extend the streamed deltas (EOS, cancel)
+        except Exception as e:    # the detokenizer failing must still end the request
+            reason, error = "error", error or e
         seq.status = Status.FINISHED
         seq.finish_reason = reason
-        seq.error = error
-        out = self._outputs.pop(seq.request_id)
-        out.finish()              # completion.text may extend the streamed deltas (EOS, cancel)
-        self._seqs.pop(seq.request_id, None)
-        completion = Completion(out.text, seq.output_ids, reason, RequestMetrics.of(seq), error,
-                                prompt_token_ids=seq.prompt_ids)
+        if error is not None:
+            seq.error = str(error) if isinstance(error, EngineError) else f"{type(error).__name__}: {error}"
+        completion = Completion(out.text, seq.output_ids, reason, RequestMetrics.of(seq), seq.error,
+                                prompt_token_ids=seq.prompt_ids,
+                                exception=error if isinstance(error, EngineError) else None)
         seq.sink.put(FinishEvent(completion))

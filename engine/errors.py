@@ -41,5 +41,9 @@ class KVCacheTooSmall(InvalidRequest):
     """The request can never fit in the KV pool, even alone."""
 
 
+class SamplingFailed(EngineError):
+    """A request's logits gave no distribution to sample from (non-finite numbers)."""
+
+
 class EngineClosed(EngineError):
     """The engine was shut down."""

@@ -2,12 +2,17 @@
 
 `target_probs` gives the processed distribution a request samples from, so speculative
 verification accepts or rejects against exactly what plain decoding would have sampled.
+
+A row whose distribution is unusable (non-finite logits) gets NO_TOKEN instead of raising: the
+batch holds other requests, and one request's bad numbers must end that request alone.
 """
 from __future__ import annotations
 
 import torch
 
 from .config import SamplingParams
+
+NO_TOKEN = -1
 
 
 def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -49,16 +54,22 @@ def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     return probs
 
 
+def usable(probs: torch.Tensor) -> torch.Tensor:
+    """[B, V] -> [B] bool: rows that are a distribution one can sample from."""
+    return torch.isfinite(probs).all(-1) & (probs >= 0).all(-1) & (probs.sum(-1) > 0)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> torch.Tensor:
-    """logits [B, V] -> token ids [B] (on logits' device)."""
+    """logits [B, V] -> token ids [B] (on logits' device); NO_TOKEN where a row is unusable."""
     if all(p.greedy for p in params):
-        return logits.argmax(-1)
-    probs = target_probs(logits, params)
-    out = torch.empty(len(params), dtype=torch.long, device=logits.device)
+        probs = logits
+        ok = ~torch.isnan(logits).any(-1)
+    else:
+        probs = target_probs(logits, params)
+        ok = usable(probs)
+    out = probs.argmax(-1).masked_fill(~ok, NO_TOKEN)
     for i, (p, g) in enumerate(zip(params, generators)):
-        if p.greedy:
-            out[i] = probs[i].argmax()
-        else:
+        if not p.greedy and bool(ok[i]):
             out[i] = torch.multinomial(probs[i], 1, generator=g)[0]
     return out

@@ -20,8 +20,9 @@ from typing import Protocol
 
 import torch
 
+from .errors import SamplingFailed
 from .model_runner import ModelRunner, Work
-from .sampler import target_probs
+from .sampler import target_probs, usable
 from .sequence import Sequence
 
 
@@ -86,10 +87,13 @@ class DraftProposer:
                 work = [Work(tokens, start, seqs[i].block_table) for i, tokens, start in pending]
                 logits = self.runner.forward(work, [[len(w.tokens) - 1] for w in work])
                 p = target_probs(logits, [seqs[i].params for i, _, _ in pending])
+                ok = usable(p).tolist()
                 nxt = []
                 for row, (i, tokens, start) in enumerate(pending):
                     seq = seqs[i]
                     seq.draft_computed = start + len(tokens)
+                    if not ok[row]:
+                        continue             # the draft has nothing to offer; the target decides
                     if seq.params.greedy:
                         token = int(p[row].argmax())
                     else:
@@ -112,6 +116,8 @@ def verify(target_logits: torch.Tensor, draft: Draft, seq: Sequence,
     """
     k = len(draft.tokens)
     p = target_probs(target_logits, [seq.params] * (k + 1))
+    if not bool(usable(p).all()):
+        raise SamplingFailed("the model's output has no usable distribution to sample from (non-finite logits)")
     out: list[int] = []
     for i, token in enumerate(draft.tokens):
         q_tok = 1.0 if draft.probs is None else float(draft.probs[i, token])

@@ -35,6 +35,9 @@ class Completion:
     metrics: RequestMetrics
     error: str | None = None
     prompt_token_ids: list[int] = field(default_factory=list, repr=False)
+    # The typed error behind finish_reason "error", so an edge can tell the client's fault
+    # (an InvalidRequest such as KVCacheTooSmall) from the engine's.
+    exception: EngineError | None = field(default=None, repr=False)
 
 
 @dataclass
