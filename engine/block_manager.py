@@ -17,13 +17,16 @@ from .sequence import Sequence
 
 
 class Block:
-    __slots__ = ("id", "ref", "hash", "tokens")
+    __slots__ = ("id", "ref", "hash", "parent", "tokens")
 
     def __init__(self, block_id: int):
         self.id = block_id
         self.ref = 0
         self.hash: int | None = None
-        self.tokens: tuple[int, ...] | None = None   # kept to reject hash collisions
+        # The parent's hash and the tokens are kept to reject hash collisions: a cached block is
+        # reused only where it holds the same tokens after the same prefix.
+        self.parent: int | None = None
+        self.tokens: tuple[int, ...] | None = None
 
 
 def block_hash(parent: int | None, tokens: tuple[int, ...], namespace: Hashable = None) -> int:
@@ -68,7 +71,7 @@ class BlockManager:
     def set_prefix_cache(self, enabled: bool) -> None:
         if not enabled:
             for b in self.blocks:
-                b.hash = b.tokens = None
+                b.hash = b.parent = b.tokens = None
             self.table.clear()
             self.num_cached_free = 0
         self.prefix_cache = enabled
@@ -88,7 +91,7 @@ class BlockManager:
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             h = block_hash(parent, chunk, seq.namespace)
             bid = self.table.get(h)
-            if bid is None or self.blocks[bid].tokens != chunk:
+            if bid is None or self.blocks[bid].tokens != chunk or self.blocks[bid].parent != parent:
                 break
             self._take(self.blocks[bid])
             seq.block_table.append(bid)
@@ -112,7 +115,7 @@ class BlockManager:
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and h not in self.table:
-                block.hash, block.tokens = h, chunk
+                block.hash, block.parent, block.tokens = h, parent, chunk
                 self.table[h] = block.id
 
     # ---- allocation -----------------------------------------------------------------------
@@ -127,7 +130,7 @@ class BlockManager:
             if block.hash is not None:            # reuse evicts the cached prefix it held
                 if self.table.get(block.hash) == bid:
                     del self.table[block.hash]
-                block.hash = block.tokens = None
+                block.hash = block.parent = block.tokens = None
                 self.num_cached_free -= 1
             self._take(block)
             seq.block_table.append(bid)

@@ -66,6 +66,23 @@ def test_collision_guard_compares_tokens():
     assert bm.match_prefix(seq([1, 2, 3], "b")) == 0
 
 
+def test_collision_guard_compares_the_parent(monkeypatch):
+    # A hash that ignores the parent makes blocks with the same tokens after different prefixes
+    # collide; the guard must still refuse them.
+    from pdchat.engine import block_manager
+    monkeypatch.setattr(block_manager, "block_hash", lambda parent, tokens, namespace=None: hash(tokens))
+    bm = BlockManager(8, 2)
+    for rid, tokens in (("a", [1, 2, 5, 6, 9]), ("b", [3, 4, 5, 6, 9])):
+        s = seq(tokens, rid)
+        bm.ensure_capacity(s, 5)
+        bm.commit(s, 5)
+        bm.free_seq(s)
+    # The table holds a's [5, 6] (after [1, 2]); b's [5, 6] found its hash taken. "c" may reuse
+    # b's [3, 4] but not a's [5, 6].
+    c = seq([3, 4, 5, 6, 9], "c")
+    assert bm.match_prefix(c) == 2
+
+
 def test_prefix_cache_off_matches_nothing_and_clears_table():
     bm = BlockManager(8, 2)
     a = seq([1, 2, 3, 4, 5])
@@ -100,12 +117,23 @@ def test_random_operations_never_leak():
                 live.append(s)
             else:
                 bm.free_seq(s)
-        elif op < 0.7:
+        elif op < 0.6:
             s = rng.choice(live)
             s.token_ids.append(rng.randrange(50))
             if bm.ensure_capacity(s, len(s.token_ids)):
                 s.num_computed_tokens = len(s.token_ids)
                 bm.commit(s, s.num_computed_tokens)
+        elif op < 0.7:                       # a speculative step: reserve k drafts, keep some
+            s = rng.choice(live)
+            k = rng.randrange(1, 6)
+            if bm.ensure_capacity(s, len(s.token_ids) + k):
+                kept = rng.randrange(0, k + 1)
+                s.token_ids.extend(rng.randrange(50) for _ in range(kept))
+                s.num_computed_tokens = len(s.token_ids)
+                bm.commit(s, s.num_computed_tokens)
+                bm.truncate(s, len(s.token_ids))
+                assert len(s.block_table) == bm.blocks_for(len(s.token_ids))
+                assert len(s.block_hashes) == len(s.token_ids) // bm.block_size
         else:
             s = live.pop(rng.randrange(len(live)))
             bm.free_seq(s)

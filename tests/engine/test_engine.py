@@ -35,7 +35,9 @@ def test_stream_events_text_and_metrics(tiny_engine):
     assert m.ttft_ms >= m.prefill_ms > 0 and m.queue_ms >= 0
     assert m.tpot_ms == pytest.approx(sum(m.itl_ms) / 23)
     assert m.decode_tok_s == pytest.approx(1000 / m.tpot_ms)
-    assert tokens[0].t - tokens[0].t == 0 and tokens[-1].t >= tokens[0].t
+    times = [t.t for t in tokens]
+    assert times == sorted(times) and times[-1] > times[0]
+    assert [t.index for t in tokens] == list(range(24))
 
 
 def test_stop_string_truncates_and_is_never_streamed(tiny_engine):

@@ -82,14 +82,24 @@ def test_batched_with_seven_random_neighbours_is_lossless(preset):
 def test_default_model_toggles_are_lossless(default_engine):
     question = "Summarize the plot of Romeo and Juliet in three sentences."
     want = default_engine.submit(question, GREEDY).result().token_ids
+    prompt_tokens = len(default_engine.encode(question))
     original = default_engine.config
-    for changes in (dict(chunk_size=16), dict(kv_cache=False), dict(chunk_size=None)):
-        default_engine.update(**changes)
+    # Beside a decoding stream, so the chunk budget really applies (alone, a prompt goes in one piece).
+    for changes, chunked in ((dict(chunk_size=16), True), (dict(kv_cache=False), False),
+                             (dict(chunk_size=None), False)):
+        default_engine.update(prefix_cache=False, **changes)
         try:
-            assert default_engine.submit(question, GREEDY).result().token_ids == want, changes
+            (got,), steps = run_beside_a_stream(default_engine, [question])
+            assert got == want, changes
+            if chunked:
+                assert steps >= -(-prompt_tokens // 16), "the prompt should have been prefilled in chunks"
+            else:
+                assert steps == 1, changes
         finally:
-            default_engine.update(chunk_size=original.chunk_size, kv_cache=original.kv_cache)
+            default_engine.update(chunk_size=original.chunk_size, kv_cache=original.kv_cache,
+                                  prefix_cache=original.prefix_cache)
     # a second turn hits the first turn's blocks
+    default_engine.submit(question, GREEDY).result()
     before = default_engine.blocks.hit_tokens
     default_engine.submit(question, GREEDY).result()
     assert default_engine.blocks.hit_tokens - before >= 16

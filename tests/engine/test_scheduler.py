@@ -1,0 +1,67 @@
+"""The scheduler's plans under a full pool: what a preempted victim and a refused admission leave behind."""
+from __future__ import annotations
+
+from pdchat.engine.block_manager import BlockManager
+from pdchat.engine.config import SamplingParams
+from pdchat.engine.scheduler import Scheduler
+from pdchat.engine.sequence import Sequence, Status
+
+
+def seq(rid: str, n: int, start: int = 1) -> Sequence:
+    return Sequence(rid, list(range(start, start + n)), SamplingParams())
+
+
+def run(plan) -> None:
+    """What the engine does after a forward: count the computed tokens, and sample one token for
+    items that finished their prompt (a fixed id: only the shapes matter here)."""
+    for item in plan.items:
+        s = item.seq
+        samples = item.samples
+        s.num_computed_tokens += item.num_tokens
+        if samples:
+            s.token_ids.append(7)
+            s.t_first_token = s.t_first_token or 1.0
+
+
+def test_a_victim_planned_earlier_in_the_step_is_taken_out_of_the_plan():
+    # Decodes are planned before unfinished prefills, and the victim is the latest admitted. Here
+    # the latest admitted is a decode, so it is already in the plan when the older prefill finds
+    # the pool empty. The state is built by hand: the plan must stay sound whatever order the
+    # admission rules leave the running requests in.
+    blocks = BlockManager(num_blocks=4, block_size=4, prefix_cache=False)
+    sched = Scheduler(blocks, max_num_seqs=8, chunk_size=8)
+    older = seq("older", 16)                  # prefilling: 8 of 16 prompt tokens computed
+    newer = seq("newer", 4, 100)              # decoding: 4 prompt tokens + 1 sampled
+    newer.token_ids.append(7)
+    newer.t_first_token = 1.0
+    for s, computed, order in ((older, 8, 0), (newer, 4, 1)):
+        assert blocks.ensure_capacity(s, computed + (1 if s is newer else 0))
+        s.num_computed_tokens, s.admitted_order, s.status = computed, order, Status.RUNNING
+        sched.running.append(s)
+    assert blocks.num_free == 0
+    plan = sched.schedule()
+    assert [(i.seq.request_id, i.num_tokens) for i in plan.items] == [("older", 7)]
+    assert newer.status is Status.WAITING and newer.preemptions == 1 and newer.block_table == []
+    assert list(sched.waiting) == [newer]
+    assert len(older.block_table) * 4 >= 8 + 7
+
+
+def test_a_refused_admission_keeps_no_blocks():
+    # The head of the queue matches cached prefix blocks, then cannot get the rest: it must give
+    # the matched blocks back, or the running request that needs them can never finish.
+    blocks = BlockManager(num_blocks=4, block_size=4, prefix_cache=True)
+    sched = Scheduler(blocks, max_num_seqs=8, chunk_size=None)
+    first = seq("first", 9)
+    sched.add(first)
+    run(sched.schedule())
+    blocks.commit(first, first.num_computed_tokens)
+    sched.remove(first)                                      # its two full blocks stay cached
+    runner = seq("runner", 6, 300)
+    sched.add(runner)
+    run(sched.schedule())                                    # holds two blocks, decoding
+    newcomer = seq("newcomer", 16)                           # shares the 8 cached tokens
+    sched.add(newcomer)
+    plan = sched.schedule()
+    assert [i.seq for i in plan.items] == [runner]
+    assert newcomer.status is Status.WAITING and newcomer.block_table == []
+    assert blocks.num_used == len(runner.block_table)
