@@ -1,5 +1,6 @@
 """Our model against Hugging Face transformers on the same weights: greedy tokens identical,
-last-position logits within 1e-4 (fp32, CPU), with PyTorch's ops and with the C kernels."""
+last-position logits within 1e-4 (fp32, CPU), with PyTorch's ops and with the C kernels. The
+default model's oracle reads the original GGUF through transformers, not pdchat's conversion."""
 from __future__ import annotations
 
 import pytest
@@ -39,8 +40,21 @@ DEFAULT_PROMPTS = [
 ]
 
 
-def test_default_model_matches_transformers(default_engine):
-    hf = hf_model_for(default_engine)
+@pytest.fixture(scope="module")
+def hf_from_source(default_engine):
+    """transformers reading the default model's original GGUF itself: an oracle independent of
+    the folder pdchat converted it into, so a conversion bug shows."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pdchat.engine.model_source import source_gguf
+    gguf = source_gguf(default_engine.config.model, fetch=False)
+    assert gguf is not None, "the default model keeps the GGUF it was converted from"
+    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+
+
+def test_default_model_matches_transformers(default_engine, hf_from_source):
+    hf = hf_from_source
     greedy = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     prompts = [default_engine.encode(p) for p in DEFAULT_PROMPTS]
     ours = [c.token_ids for c in default_engine.generate(prompts, greedy)]
