@@ -99,6 +99,7 @@ _SIGNATURES = {
     "pd_silu_mul": ([_P, _P, _I, _I, _I], None),
     "pd_store_kv": ([_P, _L, _P, _L, _P, _P, _P, _I, _I, _I], None),
     "pd_paged_attention": ([_P, _L, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _P, _I], None),
+    "pd_pool_counts": ([_P, _P], None),
     "pd_layers": ([_P, _F, _P, _P, _P, _P, _P, _P, _P, _P, _L, _P, _I, _P, _P, _I, _I, _F, _I, _I], _I),
 }
 PTRS_PER_LAYER = 16        # pd_layers: qkv (weight, scales, bias), q/k norm, o (3), norm, gate_up (3), down (3), norm

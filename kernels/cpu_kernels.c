@@ -32,6 +32,12 @@
 #define QBLOCK 64  /* int8 activations: one scale per block of 64 values, so an outlier spoils one block */
 
 
+/* Workers started and workers asleep: a test checks that an idle pool stops spinning. */
+void pd_pool_counts(int *workers, int *sleeping) {
+    *workers = pool.workers;
+    *sleeping = LOAD(pool.sleepers);
+}
+
 int pd_has_vnni(void) {
 #ifdef PD_VNNI
     return 1;

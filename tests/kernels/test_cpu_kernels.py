@@ -1,5 +1,5 @@
-"""The C CPU kernels against kernels.reference, in both builds (AVX-512/VNNI where this CPU has it,
-and the portable C one), on the strided views and ragged batches the engine feeds them."""
+"""The C CPU kernels against kernels.reference, in every variant this CPU runs (the `ops` fixture of
+conftest.py), on the strided views and ragged batches the engine feeds them."""
 from __future__ import annotations
 
 import pytest
@@ -11,14 +11,6 @@ from pdchat.kernels import cpu, reference
 from .batch import Batch
 
 TOL = dict(atol=1e-5, rtol=1e-4)
-
-
-@pytest.fixture(scope="module", params=[False, True], ids=["native", "portable"])
-def ops(request, tmp_path_factory):
-    lib = cpu.library(tmp_path_factory.mktemp("kernels"), portable=request.param)
-    if request.param:
-        assert lib.pd_has_vnni() == 0                 # really the portable code path
-    return cpu.CpuKernels(lib)
 
 
 def rand(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -202,15 +194,20 @@ def test_products_from_several_threads_at_once(ops):
 
 
 def test_pool_workers_sleep_when_idle(ops):
-    import resource
+    import ctypes
     import time
-    _big_product(ops, 0)                                   # the workers exist and have run
-    time.sleep(0.5)                                        # past their spinning phase
-    before = resource.getrusage(resource.RUSAGE_SELF)
-    time.sleep(1.5)
-    after = resource.getrusage(resource.RUSAGE_SELF)
-    busy = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-    assert busy < 0.3, f"{busy:.2f} s of CPU while idle: a worker is spinning"
+    x, w = rand(3, 256, seed=1), rand(1024, 256, seed=2)
+    y = torch.empty(3, 1024)
+    ops.lib.pd_linear_f32(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), 3, 1024, 256, 2)   # starts a worker
+    workers, sleeping = ctypes.c_int(), ctypes.c_int()
+    deadline = time.monotonic() + 10          # they spin for well under a millisecond
+    while True:
+        ops.lib.pd_pool_counts(ctypes.byref(workers), ctypes.byref(sleeping))
+        if workers.value > 0 and sleeping.value == workers.value:
+            break
+        assert time.monotonic() < deadline, (f"{workers.value - sleeping.value} of {workers.value} workers "
+                                             f"still awake 10 s after the last job: spinning")
+        time.sleep(0.01)
 
 
 def test_a_forked_child_computes_without_the_parents_workers(ops):
