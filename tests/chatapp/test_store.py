@@ -50,6 +50,48 @@ def test_old_schema_is_migrated(tmp_path):
     s.create_conversation()
 
 
+def test_a_new_migration_upgrades_a_database_with_data(tmp_path, monkeypatch):
+    from pdchat.chatapp import store as store_module
+    path = tmp_path / "v1.db"
+    s = Store(path)
+    c = s.create_conversation("Kept", {"temperature": 0.3})
+    s.add_message(c.id, "user", "hello")
+    s.set_setting("theme", "dark")
+    s.close()
+    v2 = "ALTER TABLE messages ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0; CREATE INDEX pinned ON messages(pinned)"
+    monkeypatch.setattr(store_module, "MIGRATIONS", [*MIGRATIONS, v2])
+    s = Store(path)
+    assert s.schema_version == len(MIGRATIONS) + 1 and s.notice is None
+    [conv] = s.conversations()
+    assert (conv.title, conv.settings) == ("Kept", {"temperature": 0.3})
+    assert [m.content for m in s.messages(conv.id)] == ["hello"]
+    assert s.get_setting("theme") == "dark"
+    assert s.db.execute("SELECT pinned FROM messages").fetchall()[0][0] == 0
+    s.close()
+
+
+def test_a_failing_migration_changes_nothing(tmp_path, monkeypatch):
+    from pdchat.chatapp import store as store_module
+    path = tmp_path / "v1.db"
+    s = Store(path)
+    conv = s.create_conversation("Kept")
+    s.add_message(conv.id, "user", "hello")
+    s.add_message(conv.id, "user", "again")
+    s.close()
+    # Fails on this database's data (two user messages), not on an empty one.
+    broken = "ALTER TABLE messages ADD COLUMN half INTEGER; CREATE UNIQUE INDEX one_per_role ON messages(role)"
+    monkeypatch.setattr(store_module, "MIGRATIONS", [*MIGRATIONS, broken])
+    s = Store(path)                       # cannot open it: moved aside, a fresh one started
+    assert s.notice and "moved to" in s.notice
+    s.close()
+    [aside] = tmp_path.glob("v1.db.corrupt-*")
+    old = sqlite3.connect(aside)
+    assert old.execute("SELECT version FROM schema_version").fetchone()[0] == len(MIGRATIONS)
+    assert "half" not in [r[1] for r in old.execute("PRAGMA table_info(messages)")]      # rolled back
+    assert old.execute("SELECT content FROM messages").fetchall() == [("hello",), ("again",)]
+    old.close()
+
+
 def test_corrupt_file_moved_aside(tmp_path):
     path = tmp_path / "c.db"
     path.write_bytes(b"garbage" * 1000)
