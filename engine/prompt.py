@@ -33,6 +33,10 @@ def encode_prompt(tokenizer: Any, vocab_size: int, prompt: Prompt, system: str |
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     else:
         text = "\n\n".join(m["content"] for m in messages)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:         # a lone surrogate (JSON can carry one): the tokenizer would raise
+        raise InvalidRequest(f"the prompt is not valid Unicode text (a lone surrogate, U+{ord(text[e.start]):04X})") from None
     ids = tokenizer.encode(text, add_special_tokens=False)
     if not ids:
         raise InvalidRequest("empty prompt")

@@ -7,6 +7,7 @@ both are imported only when asked for.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,6 +28,9 @@ def choose(name: str, device_type: str, fp32: bool) -> str:
         raise ValueError(f"unknown kernel backend {name!r} (auto, {', '.join(BACKENDS)})")
     if name == "cpu" and not (device_type == "cpu" and fp32):
         raise ValueError("the cpu kernels run fp32 on the CPU only")
+    if name == "triton" and device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the triton kernels run on a CUDA GPU (TRITON_INTERPRET=1 interprets them on the "
+                         "CPU, slowly, for tests)")
     return name
 
 

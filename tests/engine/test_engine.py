@@ -59,7 +59,8 @@ def test_context_too_long_names_both_numbers():
         assert c.finish_reason == "length" and len(c.token_ids) == 4
 
 
-@pytest.mark.parametrize("prompt", ["", "   \n", [], [{"role": "user"}], [10**9]])
+@pytest.mark.parametrize("prompt", ["", "   \n", [], [{"role": "user"}], [10**9], "half \ud800 a pair",
+                                    [{"role": "user", "content": "\udfff"}]])
 def test_bad_prompts_are_rejected(tiny_engine, prompt):
     with pytest.raises(InvalidRequest):
         tiny_engine.submit(prompt, GREEDY)

@@ -161,7 +161,12 @@ def test_info_names_the_build_or_why_there_is_none(tmp_path, monkeypatch):
     assert info()["cpu kernels"].startswith("unavailable (no C compiler")
 
 
-def test_backend_choice():
+def test_backend_choice(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="CUDA GPU"):
+        kernels.choose("triton", "cpu", fp32=True)               # would fail every request later
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert kernels.choose("triton", "cpu", fp32=True) == "triton"   # interpreted, as the tests do
     assert kernels.choose("auto", "cuda", fp32=False) == "triton"
     assert kernels.choose("auto", "cpu", fp32=True) == "cpu"
     assert kernels.choose("auto", "cpu", fp32=False) == "torch"      # bf16 on CPU: PyTorch's ops
