@@ -114,7 +114,7 @@ def load(files: ModelFiles, device: torch.device, dtype: torch.dtype, seed: int 
          ops: SimpleNamespace | None = None) -> LoadedModel:
     """Build the model on the device with the given kernel backend (default: plain PyTorch)."""
     hf_cfg = hf_config_of(files)
-    cfg = ModelConfig.from_hf(hf_cfg)
+    cfg = ModelConfig.from_hf(hf_cfg, source=str(files.path / "config.json") if files.path else files.name)
     tokenizer = load_tokenizer(files)
     with torch.device("meta"):
         model = Transformer(cfg)                  # no time spent on random init

@@ -11,9 +11,27 @@ from typing import Any
 
 import torch
 
-from .errors import UnsupportedModel
+from .errors import ModelLoadError, UnsupportedModel
 
 SUPPORTED_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+# RoPE scaling kinds we implement, and the settings each needs.
+ROPE_KEYS = {"default": (), "linear": ("factor",),
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+_REQUIRED = object()
+
+
+def _positive(cfg: dict[str, Any], key: str, source: str, default: Any = _REQUIRED, kind: type = int) -> Any:
+    """cfg[key] as a positive `kind` (int: a whole number); `default` when absent or null."""
+    value = cfg.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ModelLoadError(f"{source} has no {key!r}, which the model needs")
+        return default
+    numbers = (int, float) if kind is float else (int,)
+    if isinstance(value, bool) or not isinstance(value, numbers) or not value > 0:
+        what = "number" if kind is float else "whole number"
+        raise ModelLoadError(f"{source}: {key!r} must be a positive {what}, got {value!r}")
+    return kind(value)
 
 
 @dataclass(frozen=True)
@@ -37,32 +55,49 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, cfg: Any, source: str = "config.json") -> "ModelConfig":
+        """Read a Hugging Face config; `source` names it in errors (the file's path). A config that
+        is not an object, or lacks or garbles a key the model needs, is a ModelLoadError; an
+        architecture or RoPE scaling we do not implement, UnsupportedModel."""
+        if not isinstance(cfg, dict):
+            raise ModelLoadError(f"{source} holds a JSON {type(cfg).__name__}, not an object of model settings")
         mtype = cfg.get("model_type", "")
         if mtype not in SUPPORTED_TYPES:
             raise UnsupportedModel(
-                f"model type {mtype!r} is not supported (supported: {', '.join(sorted(SUPPORTED_TYPES))})"
+                f"model type {mtype!r} in {source} is not supported (supported: {', '.join(sorted(SUPPORTED_TYPES))})"
             )
-        heads = cfg["num_attention_heads"]
-        hidden = cfg["hidden_size"]
+        heads = _positive(cfg, "num_attention_heads", source)
+        hidden = _positive(cfg, "hidden_size", source)
+        kv_heads = _positive(cfg, "num_key_value_heads", source, default=heads)
+        head_dim = _positive(cfg, "head_dim", source, default=hidden // heads)
+        if heads % kv_heads:
+            raise ModelLoadError(f"{source}: {heads} attention heads cannot share {kv_heads} key-value heads evenly")
+        if head_dim % 2:
+            raise ModelLoadError(f"{source}: the head size must be even for RoPE, got {head_dim}")
         # transformers 5 moved rope_theta/rope_scaling into rope_parameters; accept both layouts.
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise ModelLoadError(f"{source}: the RoPE settings must be an object, got {rope!r}")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ROPE_KEYS:
+            raise UnsupportedModel(f"RoPE scaling {rope_type!r} in {source} is not supported "
+                                   f"({', '.join(ROPE_KEYS)} are)")
+        for key in ROPE_KEYS[rope_type]:
+            _positive(rope, key, f"{source} (RoPE settings)", kind=float)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
             model_type=mtype,
-            vocab_size=cfg["vocab_size"],
+            vocab_size=_positive(cfg, "vocab_size", source),
             hidden_size=hidden,
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
+            intermediate_size=_positive(cfg, "intermediate_size", source),
+            num_layers=_positive(cfg, "num_hidden_layers", source),
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            max_position=cfg.get("max_position_embeddings", 2048),
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=_positive(cfg, "rms_norm_eps", source, default=1e-6, kind=float),
+            rope_theta=_positive(cfg, "rope_theta", source, default=rope.get("rope_theta", 10000.0), kind=float),
+            max_position=_positive(cfg, "max_position_embeddings", source, default=2048),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=mtype == "qwen2" or bool(cfg.get("attention_bias", False)),
             qk_norm=mtype == "qwen3",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -17,7 +18,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from .errors import ModelLoadError, ModelNotFound
 from .paths import models_dir
@@ -30,6 +31,7 @@ DEFAULT_PIP_SIZE_MB = 93
 ALIASES = {"smollm2-135m": DEFAULT_HUB_ID}
 NATIVE_FILES = ("config.json", "model.safetensors")
 GGUF_NAME = "source.gguf"     # the GGUF a converted folder came from, where it is kept
+HUB_ID = re.compile(r"[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+")      # what the hub accepts as a repository id
 
 
 @dataclass(frozen=True)
@@ -70,9 +72,12 @@ def resolve(spec: str, say: Say = _stderr, fetch: bool = True) -> ModelFiles:
         preset_config(preset)                    # raises ModelNotFound for unknown presets
         return ModelFiles(spec, None, "random weights", random_preset=preset)
     path = Path(spec).expanduser()
-    if spec.endswith(".gguf"):
-        if not path.is_file():
-            raise ModelNotFound(f"GGUF file not found: {path}")
+    if looks_like_path(spec):
+        if not path.exists():
+            raise ModelNotFound(f"no such file or folder: {os.path.expanduser(spec)}")
+        if not path.is_dir() and not spec.endswith(".gguf"):
+            raise ModelNotFound(f"{path} is a file: give a model folder or a .gguf file")
+    if spec.endswith(".gguf") and path.is_file():
         return ModelFiles(spec, convert_gguf(path, say), f"converted from {path}")
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -97,16 +102,33 @@ def resolve(spec: str, say: Say = _stderr, fetch: bool = True) -> ModelFiles:
     raise ModelNotFound(f"model {hub_id!r} is not cached and the Hugging Face hub is unreachable")
 
 
+def looks_like_path(spec: str) -> bool:
+    """A spec meant as a file or folder, so a missing one is reported as such, not looked up on the
+    hub. `org/name` is a hub id (a folder of that name, when there is one, is found first)."""
+    seps = [sep for sep in (os.sep, os.altsep) if sep]
+    return (spec.startswith(("/", "./", "../", "~")) or spec.endswith(".gguf")
+            or (any(sep in spec for sep in seps) and not HUB_ID.fullmatch(spec)))
+
+
 def cached_models() -> list[tuple[str, Path, int]]:
     """(name, folder, bytes) of every converted or fetched model in the cache."""
     out = []
     for d in sorted(models_dir().iterdir()):
         if d.is_dir() and is_native(d):
             size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
-            meta = d / "pdchat.json"
-            name = json.loads(meta.read_text()).get("name", d.name) if meta.is_file() else d.name
+            name = str(_meta(d).get("name") or d.name)
             out.append((name, d, size))
     return out
+
+
+def _meta(folder: Path) -> dict[str, Any]:
+    """A converted folder's pdchat.json ({name, source}); {} when it is missing or damaged, which
+    costs only the friendly name."""
+    try:
+        meta = json.loads((folder / "pdchat.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def _slug(spec: str) -> str:
@@ -130,7 +152,8 @@ def _hub_snapshot(hub_id: str, say: Say) -> Path | None:
     try:
         path = Path(snapshot_download(hub_id, allow_patterns=patterns))
     except Exception as e:  # repository missing, gated, network dropped
-        raise ModelNotFound(f"could not fetch {hub_id!r} from the Hugging Face hub: {e}") from e
+        first = next(iter(str(e).strip().splitlines()), "") or type(e).__name__   # hub errors run to several lines
+        raise ModelNotFound(f"could not fetch {hub_id!r} from the Hugging Face hub: {first}") from e
     if not any(path.glob("*.safetensors")):
         raise ModelLoadError(f"{hub_id} has no safetensors weights")
     return path
@@ -179,11 +202,9 @@ def source_gguf(spec: str, say: Say = _stderr, fetch: bool = True) -> Path | Non
     folder = path if path.is_dir() else models_dir() / _slug(spec)
     if (folder / GGUF_NAME).is_file():
         return folder / GGUF_NAME
-    meta = folder / "pdchat.json"
-    if meta.is_file():                               # converted from a .gguf that is still there
-        source = Path(json.loads(meta.read_text()).get("source", ""))
-        if source.suffix == ".gguf" and source.is_file():
-            return source
+    source = Path(str(_meta(folder).get("source") or ""))
+    if source.suffix == ".gguf" and source.is_file():   # converted from a .gguf that is still there
+        return source
     if path.is_dir():
         return None
     if spec != "smollm2-135m" or not fetch:
