@@ -17,16 +17,22 @@ from .sequence import Sequence
 
 
 class Block:
-    __slots__ = ("id", "ref", "hash", "parent", "tokens")
+    __slots__ = ("id", "ref", "hash", "parent", "tokens", "namespace")
 
     def __init__(self, block_id: int):
         self.id = block_id
         self.ref = 0
         self.hash: int | None = None
-        # The parent's hash and the tokens are kept to reject hash collisions: a cached block is
-        # reused only where it holds the same tokens after the same prefix.
+        # The parent's hash, the tokens and the namespace are kept to reject hash collisions: a
+        # cached block is reused only where it holds the same tokens after the same prefix, for the
+        # same tenant (prefix-cache isolation must not rest on a 64-bit hash alone).
         self.parent: int | None = None
         self.tokens: tuple[int, ...] | None = None
+        self.namespace: Hashable = None
+
+
+    def holds(self, parent: int | None, tokens: tuple[int, ...], namespace: Hashable) -> bool:
+        return self.tokens == tokens and self.parent == parent and self.namespace == namespace
 
 
 def block_hash(parent: int | None, tokens: tuple[int, ...], namespace: Hashable = None) -> int:
@@ -71,7 +77,7 @@ class BlockManager:
     def set_prefix_cache(self, enabled: bool) -> None:
         if not enabled:
             for b in self.blocks:
-                b.hash = b.parent = b.tokens = None
+                b.hash = b.parent = b.tokens = b.namespace = None
             self.table.clear()
             self.num_cached_free = 0
         self.prefix_cache = enabled
@@ -91,7 +97,7 @@ class BlockManager:
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             h = block_hash(parent, chunk, seq.namespace)
             bid = self.table.get(h)
-            if bid is None or self.blocks[bid].tokens != chunk or self.blocks[bid].parent != parent:
+            if bid is None or not self.blocks[bid].holds(parent, chunk, seq.namespace):
                 break
             self._take(self.blocks[bid])
             seq.block_table.append(bid)
@@ -115,7 +121,7 @@ class BlockManager:
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if block.hash is None and h not in self.table:
-                block.hash, block.parent, block.tokens = h, parent, chunk
+                block.hash, block.parent, block.tokens, block.namespace = h, parent, chunk, seq.namespace
                 self.table[h] = block.id
 
     # ---- allocation -----------------------------------------------------------------------
@@ -130,7 +136,7 @@ class BlockManager:
             if block.hash is not None:            # reuse evicts the cached prefix it held
                 if self.table.get(block.hash) == bid:
                     del self.table[block.hash]
-                block.hash = block.parent = block.tokens = None
+                block.hash = block.parent = block.tokens = block.namespace = None
                 self.num_cached_free -= 1
             self._take(block)
             seq.block_table.append(bid)

@@ -83,6 +83,20 @@ def test_collision_guard_compares_the_parent(monkeypatch):
     assert bm.match_prefix(c) == 2
 
 
+def test_collision_guard_compares_the_namespace(monkeypatch):
+    # Tenants are kept apart by the namespace in the hash; a hash that ignored it must still not
+    # hand one tenant's cached block to another.
+    from pdchat.engine import block_manager
+    monkeypatch.setattr(block_manager, "block_hash", lambda parent, tokens, namespace=None: hash((parent, tokens)))
+    bm = BlockManager(8, 2)
+    a = Sequence("a", [1, 2, 3], SamplingParams(), namespace="tenant-a")
+    bm.ensure_capacity(a, 3)
+    bm.commit(a, 3)
+    bm.free_seq(a)
+    assert bm.match_prefix(Sequence("b", [1, 2, 3], SamplingParams(), namespace="tenant-b")) == 0
+    assert bm.match_prefix(Sequence("a2", [1, 2, 3], SamplingParams(), namespace="tenant-a")) == 2
+
+
 def test_prefix_cache_off_matches_nothing_and_clears_table():
     bm = BlockManager(8, 2)
     a = seq([1, 2, 3, 4, 5])
@@ -145,3 +159,25 @@ def test_random_operations_never_leak():
         bm.free_seq(s)
     assert bm.num_used == 0 and bm.num_free == 32
     assert all(b.ref == 0 for b in bm.blocks)
+
+
+def test_turning_the_prefix_cache_off_forgets_every_cached_block_and_on_again_works():
+    bm = BlockManager(8, 2)
+    a = seq([1, 2, 3, 4, 5], "a")
+    bm.ensure_capacity(a, 5)
+    bm.commit(a, 5)
+    bm.free_seq(a)
+    assert bm.num_cached_free == 2
+    bm.set_prefix_cache(False)
+    assert bm.prefix_cache is False and bm.num_cached_free == 0 and bm.table == {}
+    assert all(b.hash is None and b.parent is None and b.tokens is None for b in bm.blocks)
+    # The forgotten blocks are plain free blocks now: reusing them must not touch the counts.
+    s = seq(range(16), "s")
+    assert bm.ensure_capacity(s, 16) and bm.num_cached_free == 0
+    bm.free_seq(s)
+    bm.set_prefix_cache(True)
+    assert bm.prefix_cache is True
+    b = seq([1, 2, 3, 4, 5], "b")
+    bm.ensure_capacity(b, 5)
+    bm.commit(b, 5)
+    assert bm.match_prefix(seq([1, 2, 3, 4, 5], "c")) == 4
