@@ -2,35 +2,48 @@
 
 Handlers run on the event loop and never block it: tokenizing and submitting run in the thread
 pool, and each request's events arrive through a Flight. Concurrent requests meet in the engine's
-continuous batching. Every failure is OpenAI's error object; a client that goes away mid-request
-cancels it, which frees its KV blocks.
+continuous batching. Every failure is OpenAI's error object (a 4xx where the client is at fault,
+a JSON 500 for anything unexpected); a client that goes away mid-request cancels it, which frees
+its KV blocks. The Guard refuses what web pages and oversized bodies could do before any route
+runs; listen.py bounds the connections themselves.
 """
 from __future__ import annotations
 
 import asyncio
-import hmac
+import contextlib
 import sys
 import time
-from typing import Any, AsyncIterator
+from dataclasses import replace
+from typing import Any, AsyncIterator, Hashable
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import Receive, Scope, Send
 
 from pdchat.engine import (Completion, ContextTooLong, Engine, EngineClosed, EngineConfig, InvalidRequest,
                            SamplingParams, TokenEvent)
 
 from . import protocol
+from .auth import Keys
 from .flight import Flight
+from .guard import Guard
+from .last_resort import LastResort
+from .listen import bind, http_server
+from .options import ServeOptions
 from .prometheus import CONTENT_TYPE, ServerMetrics
-from .protocol import APIError, ChatRequest, CompletionRequest, Shape
+from .protocol import APIError, ChatRequest, CompletionRequest, ErrorResponse, Shape
 
 DEFAULT_MAX_PENDING = 256
 # How often a non-streaming request checks whether its client is still there.
 DISCONNECT_POLL_S = 0.25
+# Text runs 3 to 5 characters per token; a prompt with more than this many characters per token
+# of the context would not fit with any tokenizer we know of, and is refused before the tokenizer
+# spends seconds on it (and slows every other request meanwhile).
+MAX_CHARS_PER_TOKEN = 16
 
 
 class _FlightResponse(StreamingResponse):
@@ -49,24 +62,51 @@ class _FlightResponse(StreamingResponse):
 
 
 class Server:
-    def __init__(self, engine: Engine, *, model_name: str | None = None, api_key: str | None = None,
-                 max_pending: int = DEFAULT_MAX_PENDING):
+    def __init__(self, engine: Engine, *, model_name: str | None = None, keys: Keys = Keys(()),
+                 max_pending: int = DEFAULT_MAX_PENDING, shared_prefix_cache: bool = False):
         self.engine = engine
         self.model_name = model_name or engine.config.model
-        self.api_key = api_key
+        self.keys = keys
         self.max_pending = max_pending
+        self.shared_prefix_cache = shared_prefix_cache
         self.in_flight = 0          # admitted and not finished in the engine; touched on the loop only
+        self.flights: set[Flight] = set()     # those of them already submitted
+        self.closing = False
         self.started = int(time.time())
         self.metrics = ServerMetrics(engine.stats)
 
+    def shut_down(self) -> None:
+        """The HTTP server is stopping: open requests end now, with a 503 error (a final error
+        event and [DONE] on a stream), and new ones are refused."""
+        self.closing = True
+        for flight in list(self.flights):
+            flight.cancel()
+
     # ---- admission ---------------------------------------------------------------------------
-    def _authorize(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                           code="invalid_api_key")
+    def _authorize(self, request: Request) -> int | None:
+        """The request's tenant (its key's index), or None where the server needs no key."""
+        return self.keys.tenant(request.headers.get("authorization"))
+
+    def _namespace(self, tenant: int | None, salt: str | None) -> Hashable:
+        """The prefix-cache namespace: requests share cached blocks only within one."""
+        if self.shared_prefix_cache:
+            tenant = None
+        return None if tenant is None and salt is None else (tenant, salt)
+
+    def _check_size(self, prompt: Any, param: str) -> None:
+        """Refuse, before tokenizing, text that cannot fit the context window."""
+        if isinstance(prompt, str):
+            chars = len(prompt)
+        elif prompt and isinstance(prompt[0], dict):
+            chars = sum(len(m["content"]) for m in prompt)
+        else:
+            return                  # token ids: the engine compares their count at no cost
+        limit = self.engine.max_model_len * MAX_CHARS_PER_TOKEN
+        if chars > limit:
+            raise APIError(400, f"prompt is {chars:,} characters, more than the context window of "
+                                f"{self.engine.max_model_len} tokens can hold (at most {MAX_CHARS_PER_TOKEN} "
+                                f"characters per token, {limit:,} in all); it was not tokenized",
+                           param=param, code="context_length_exceeded")
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -79,49 +119,61 @@ class Server:
                               top_p=req.top_p, top_k=max(req.top_k, 0), min_p=req.min_p, seed=req.seed,
                               stop=req.stop_list(), ignore_eos=req.ignore_eos)
 
-    def _submit(self, prompt: Any, params: SamplingParams, raw_text: bool) -> Any:
+    def _submit(self, prompt: Any, params: SamplingParams, raw_text: bool, namespace: Hashable) -> Any:
         """Runs in the thread pool: tokenizing a long prompt must not stall the event loop."""
         if raw_text and isinstance(prompt, str):
             # /v1/completions continues the text as it is: no chat template.
             prompt = self.engine.tokenizer.encode(prompt) if prompt else []
-        return self.engine.submit(prompt, params)
+        return self.engine.submit(prompt, params, namespace=namespace)
 
     async def _admit(self, prompt: Any, params: SamplingParams, *, raw_text: bool, tokens: bool,
-                     t0: float) -> Flight:
+                     namespace: Hashable, t0: float) -> Flight:
+        if self.closing:
+            raise APIError(503, "server shutting down", type_="server_error", code="server_shutting_down")
         if self.in_flight >= self.max_pending:
             self.metrics.rejected.labels("503").inc()
             raise APIError(503, f"server busy: {self.in_flight} requests in flight (limit {self.max_pending}); "
                                 "retry later", type_="server_error", code="server_busy")
         self.in_flight += 1             # before the await, so a burst cannot overshoot the limit
         try:
-            stream = await run_in_threadpool(self._submit, prompt, params, raw_text)
+            stream = await run_in_threadpool(self._submit, prompt, params, raw_text, namespace)
         except BaseException:
             self.in_flight -= 1
             raise
-        return Flight(stream, lambda c: self._finished(c, t0), tokens=tokens)
+        flight = Flight(stream, lambda c: self._finished(flight, c, t0), tokens=tokens)
+        self.flights.add(flight)
+        if self.closing:                # shut_down ran while this one was being submitted
+            flight.cancel()
+        return flight
 
-    def _finished(self, completion: Completion, t0: float) -> None:
+    def _finished(self, flight: Flight, completion: Completion, t0: float) -> None:
         self.in_flight -= 1
+        self.flights.discard(flight)
         self.metrics.observe(completion.metrics, (time.perf_counter() - t0) * 1000)
 
     # ---- endpoints ---------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
         t0 = time.perf_counter()
-        self._authorize(request)
+        tenant = self._authorize(request)
         req: ChatRequest = protocol.parse(ChatRequest, await request.body())
         self._check_model(req.model)
         params = self._sampling(req, req.requested_max_tokens())
         messages = [m.as_engine_message() for m in req.messages]
-        flight = await self._admit(messages, params, raw_text=False, tokens=req.stream, t0=t0)
+        self._check_size(messages, "messages")
+        flight = await self._admit(messages, params, raw_text=False, tokens=req.stream,
+                                   namespace=self._namespace(tenant, req.cache_salt), t0=t0)
         return await self._respond(request, req, flight, Shape(True, self.model_name))
 
     async def completions(self, request: Request) -> Response:
         t0 = time.perf_counter()
-        self._authorize(request)
+        tenant = self._authorize(request)
         req: CompletionRequest = protocol.parse(CompletionRequest, await request.body())
         self._check_model(req.model)
         params = self._sampling(req, req.requested_max_tokens())
-        flight = await self._admit(req.prompt_value(), params, raw_text=True, tokens=req.stream, t0=t0)
+        prompt = req.prompt_value()
+        self._check_size(prompt, "prompt")
+        flight = await self._admit(prompt, params, raw_text=True, tokens=req.stream,
+                                   namespace=self._namespace(tenant, req.cache_salt), t0=t0)
         return await self._respond(request, req, flight, Shape(False, self.model_name))
 
     async def _respond(self, request: Request, req: ChatRequest | CompletionRequest, flight: Flight,
@@ -134,7 +186,7 @@ class Server:
                 flight.cancel()
                 return Response(status_code=499)      # nobody is listening any more
         c = flight.completion.result()
-        _raise_for(c)
+        self._raise_for(c)
         m = c.metrics
         return JSONResponse(shape.response(c.text, c.finish_reason,
                                            protocol.usage(m.prompt_tokens, m.output_tokens, m.cached_prompt_tokens)))
@@ -151,7 +203,7 @@ class Server:
                 continue
             c = ev.completion
             try:
-                _raise_for(c)
+                self._raise_for(c)
             except APIError as e:
                 yield protocol.sse(e.body())
                 break
@@ -168,65 +220,81 @@ class Server:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.started,
                                             "owned_by": "pdchat", "max_model_len": self.engine.max_model_len}]}
 
+    async def metrics_text(self, request: Request) -> Response:
+        self._authorize(request)            # it names the model and the device, and counts the traffic
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
-def _raise_for(c: Completion) -> None:
-    """A request the engine ended with an error (or by shutting down) is an error for the client."""
-    if c.finish_reason == "error":
-        raise APIError(500, c.error or "generation failed", type_="server_error")
-    if c.finish_reason == "cancelled":
-        raise APIError(503, c.error or "the request was cancelled", type_="server_error")
-
-
-def _error(e: APIError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if e.status == 503 else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    def _raise_for(self, c: Completion) -> None:
+        """A request the engine ended with an error (or by shutting down) is an error for the client."""
+        if c.finish_reason == "error":
+            if isinstance(c.exception, InvalidRequest):     # e.g. it outgrew the whole KV pool
+                raise APIError(400, c.error or "invalid request")
+            raise APIError(500, c.error or "generation failed", type_="server_error")
+        if c.finish_reason == "cancelled":
+            if self.closing:
+                raise APIError(503, "server shutting down", type_="server_error", code="server_shutting_down")
+            raise APIError(503, c.error or "the request was cancelled", type_="server_error")
 
 
 def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | None = None,
-               max_pending: int = DEFAULT_MAX_PENDING) -> FastAPI:
-    server = Server(engine, model_name=model_name, api_key=api_key, max_pending=max_pending)
-    app = FastAPI(title="pdchat", docs_url=None, redoc_url=None, openapi_url=None)
+               max_pending: int = DEFAULT_MAX_PENDING, options: ServeOptions = ServeOptions()) -> FastAPI:
+    """The API over engine. api_key: one key to require besides options.api_keys (a shorthand)."""
+    keys = Keys(((api_key,) if api_key else ()) + options.api_keys)
+    server = Server(engine, model_name=model_name, keys=keys, max_pending=max_pending,
+                    shared_prefix_cache=options.shared_prefix_cache)
+    origins = tuple(o.lower().rstrip("/") for o in options.allowed_origins)     # as browsers write them
+    middleware = [Middleware(LastResort), Middleware(Guard, limits=options.limits, allowed_hosts=options.allowed_hosts,
+                                                     allowed_origins=origins)]
+    if origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"],
+                                     allow_headers=["Authorization", "Content-Type"]))
+    app = FastAPI(title="pdchat", docs_url=None, redoc_url=None, openapi_url=None, middleware=middleware)
     app.state.server = server
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
-        return _error(e)
+        return ErrorResponse(e)
 
     @app.exception_handler(ContextTooLong)
     async def too_long(request: Request, e: ContextTooLong) -> JSONResponse:
         param = "messages" if "/chat/" in request.url.path else "prompt"
-        return _error(APIError(400, str(e), param=param, code="context_length_exceeded"))
+        return ErrorResponse(APIError(400, str(e), param=param, code="context_length_exceeded"))
 
     @app.exception_handler(InvalidRequest)
     async def invalid(request: Request, e: InvalidRequest) -> JSONResponse:
-        return _error(APIError(400, str(e)))
+        return ErrorResponse(APIError(400, str(e)))
 
     @app.exception_handler(EngineClosed)
     async def closed(request: Request, e: EngineClosed) -> JSONResponse:
-        return _error(APIError(503, str(e), type_="server_error"))
+        return ErrorResponse(APIError(503, str(e), type_="server_error"))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
-        return _error(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}"))
+        return ErrorResponse(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}"))
 
     app.add_api_route("/v1/chat/completions", server.chat, methods=["POST"])
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/models", server.models, methods=["GET"])
     app.add_api_route("/health", lambda: {"status": "ok"}, methods=["GET"])
-    app.add_api_route("/metrics", lambda: Response(server.metrics.render(), media_type=CONTENT_TYPE),
-                      methods=["GET"])
+    app.add_api_route("/metrics", server.metrics_text, methods=["GET"])
     return app
 
 
-def serve(config: EngineConfig, *, host: str, port: int, api_key: str | None, max_pending: int,
-          model_name: str | None = None) -> None:
-    """Load the engine, then serve until interrupted."""
-    with Engine(config) as engine:
-        app = create_app(engine, model_name=model_name, api_key=api_key, max_pending=max_pending)
-        name = app.state.server.model_name
-        print(f"pdchat serve: {name} on {engine.device} at http://{host}:{port}/v1 "
-              f"(metrics at /metrics; Ctrl-C stops)", file=sys.stderr, flush=True)
-        if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
-            print("pdchat serve: warning: listening beyond loopback without --api-key", file=sys.stderr, flush=True)
-        # Open streams must not hold a shutdown forever; the engine then cancels what is left.
-        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+def serve(config: EngineConfig, *, host: str, port: int, max_pending: int = DEFAULT_MAX_PENDING,
+          model_name: str | None = None, options: ServeOptions = ServeOptions()) -> None:
+    """Listen, load the engine, then serve until interrupted. Raises ServeError (a taken port)."""
+    sock = bind(host, port)
+    # Clients reach the server by the name it was told to listen on, too.
+    options = replace(options, allowed_hosts=options.allowed_hosts + (host,))
+    with sock, Engine(config) as engine:
+        app = create_app(engine, model_name=model_name, max_pending=max_pending, options=options)
+        server = app.state.server
+        keys = f"{len(options.api_keys)} API key(s) accepted; " if options.api_keys else ""
+        address = f"[{host}]" if ":" in host else host          # an IPv6 address
+        print(f"pdchat serve: {server.model_name} on {engine.device} at http://{address}:{sock.getsockname()[1]}/v1 "
+              f"({keys}metrics at /metrics; Ctrl-C stops)", file=sys.stderr, flush=True)
+        if not options.api_keys and host not in ("127.0.0.1", "localhost", "::1"):
+            print("pdchat serve: warning: listening beyond loopback without an API key", file=sys.stderr, flush=True)
+        # Ctrl+C is how a server stops: uvicorn shuts down, then raises the signal again for us.
+        with contextlib.suppress(KeyboardInterrupt):
+            http_server(app, options.limits, server.shut_down).run(sockets=[sock])

@@ -4,19 +4,35 @@ response and chunk objects, and the error object.
 Only what pdchat can honour is accepted. Fields that OpenAI clients commonly send with their
 default values (n=1, penalties 0, no logprobs) are accepted at those values and refused otherwise,
 so a client never silently gets something other than what it asked for. `top_k`, `min_p` and
-`ignore_eos` are accepted as vLLM/SGLang do (load generators rely on `ignore_eos`).
+`ignore_eos` are accepted as vLLM/SGLang do (load generators rely on `ignore_eos`), and
+`cache_salt` as vLLM does (a separate prefix cache for the requests that share a salt).
+
+Bodies are decoded strictly: NaN and Infinity, absurdly long numbers, nesting Python cannot
+follow and lone surrogates (not Unicode, so neither tokenizable nor encodable) are 400s.
 """
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from starlette.responses import JSONResponse
+
+from pdchat.engine.config import SEED_RANGE
 
 # OpenAI's default for /v1/completions; chat completions default to "until the context is full".
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# OpenAI allows 4 stop sequences; every one is matched at every generated token, so a request
+# with thousands would slow every stream in its batch.
+MAX_STOP = 16
+MAX_STOP_CHARS = 256
+MAX_SALT_CHARS = 256
+# No field takes a number this long (a 64-bit seed has 20 digits); Python refuses past 4,300.
+MAX_NUMBER_DIGITS = 40
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class APIError(Exception):
@@ -33,6 +49,20 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class ErrorResponse(JSONResponse):
+    """The error object as an HTTP response. ASCII JSON: a message quoting the client's input
+    (an unknown field, a model name) encodes whatever that input holds."""
+
+    def __init__(self, e: APIError, *, close: bool = False):
+        headers = {"Retry-After": "1"} if e.status == 503 else {}
+        if close:
+            headers["Connection"] = "close"
+        super().__init__(e.body(), status_code=e.status, headers=headers)
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content).encode()
 
 
 class _Strict(BaseModel):
@@ -67,8 +97,9 @@ class _Sampling(_Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1)                  # -1 (vLLM) and 0 both mean off
     min_p: float = Field(0.0, ge=0, lt=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
     stop: str | list[str] | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_CHARS)
     ignore_eos: bool = False
     n: int = 1
     stream: bool = False
@@ -82,6 +113,16 @@ class _Sampling(_Strict):
     def _one_choice(cls, v: int) -> int:
         if v != 1:
             raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else v or []
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed, got {len(stops)}")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop sequence may be at most {MAX_STOP_CHARS} characters long")
         return v
 
     @field_validator("presence_penalty", "frequency_penalty")
@@ -166,17 +207,54 @@ class CompletionRequest(_Sampling):
 def parse(model: type[_Sampling], raw: bytes) -> Any:
     """Decode and validate a request body; every problem is a 400 naming the offending field."""
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        data = json.loads(raw, parse_int=_bounded_int, parse_constant=_no_constant)
+    except RecursionError:
+        raise APIError(400, "request body is not valid JSON: nested too deeply") from None
+    except ValueError as e:           # JSONDecodeError, UnicodeDecodeError and ours
         raise APIError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object")
+    bad = _lone_surrogate(data)
+    if bad is not None:
+        param, char = bad
+        raise APIError(400, f"{param or 'the request'} holds a lone surrogate (\\u{ord(char):04x}), which is not "
+                            "valid Unicode", param=param or None)
     try:
         request = model.model_validate(data)
     except ValidationError as e:
         raise _validation_error(e) from None
     request.check()
     return request
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_NUMBER_DIGITS:
+        raise ValueError(f"a number of {len(text.lstrip('-'))} digits (at most {MAX_NUMBER_DIGITS})")
+    return int(text)
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _lone_surrogate(data: Any) -> tuple[str, str] | None:
+    """(the dotted path of the first string or field name holding a lone surrogate, that
+    character), or None. JSON decoding joins valid pairs, so any surrogate left is a lone one.
+    Iterative: the body may be as deep as the JSON decoder allows."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            found = _SURROGATE.search(value)
+            if found:
+                return path, found.group()
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((path, key))           # the name itself, reported at its parent
+                stack.append((f"{path}.{key}" if path else key, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}" if path else str(i), item) for i, item in enumerate(value))
+    return None
 
 
 def _validation_error(e: ValidationError) -> APIError:
@@ -243,4 +321,6 @@ class Shape:
 
 
 def sse(obj: dict[str, Any] | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+    """One event. ASCII JSON: some clients split lines on U+0085, U+2028 or U+2029 as well, and a
+    raw one inside `data:` would cut the event in two."""
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+from typing import Iterator
 from urllib.parse import urlsplit
 
 import httpx
@@ -179,7 +180,8 @@ BAD = {"model": MODEL, "messages": HELLO}
     ({**BAD, "max_tokens": 5, "max_completion_tokens": 5}, "max_tokens", "not both"),
 ])
 def test_bad_chat_requests_are_400_with_openai_error_object(http, body, param, words):
-    r = http.post("/v1/chat/completions", content=body if isinstance(body, bytes) else json.dumps(body))
+    r = http.post("/v1/chat/completions", content=body if isinstance(body, bytes) else json.dumps(body),
+                  headers={"Content-Type": "application/json"})
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error"
@@ -228,23 +230,28 @@ def test_api_key_guards_the_api_but_not_health(engine):
         assert right.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2).usage.completion_tokens <= 2
 
 
-def _first_chunks(response: httpx.Response, n: int) -> None:
+def _first_chunks(response: httpx.Response, n: int) -> Iterator[str]:
+    """Reads until n content chunks have come; returns the rest of the lines. Keep it: a dropped
+    line iterator closes the connection (httpcore closes it on GeneratorExit), which cancels."""
+    lines = response.iter_lines()
     seen = 0
-    for line in response.iter_lines():
+    for line in lines:
         if line.startswith("data:") and '"content"' in line:
             seen += 1
             if seen == n:
-                return
+                break
+    return lines
 
 
 def test_busy_server_answers_503_then_recovers(engine):
     with running(create_app(engine, max_pending=1)) as url, httpx.Client(base_url=url, timeout=30) as http:
         body = {**BAD, **LONG, "stream": True}
         with http.stream("POST", "/v1/chat/completions", json=body) as first:
-            _first_chunks(first, 2)
+            rest = _first_chunks(first, 2)
             r = http.post("/v1/chat/completions", json={**BAD, "max_tokens": 2})
             assert r.status_code == 503
             assert r.json()["error"]["code"] == "server_busy" and r.headers["retry-after"]
+            rest.close()
         wait_until(lambda: idle(engine), what="the cancelled stream to be freed")
         assert http.post("/v1/chat/completions", json={**BAD, "max_tokens": 2}).status_code == 200
 
@@ -253,8 +260,9 @@ def test_disconnect_mid_stream_cancels_and_frees_kv_blocks(server, engine, http)
     url, state = server
     cancelled = finished(state, "cancelled")
     with http.stream("POST", "/v1/chat/completions", json={**BAD, **LONG, "stream": True}) as r:
-        _first_chunks(r, 3)
+        rest = _first_chunks(r, 3)
         assert engine.stats().kv_blocks_used > 0
+        rest.close()
     # leaving the block closed the connection before the 4000 tokens were done
     wait_until(lambda: finished(state, "cancelled") == cancelled + 1, what="the request to be cancelled")
     wait_until(lambda: idle(engine), what="the KV blocks to be freed")
@@ -267,7 +275,7 @@ def test_disconnect_while_waiting_for_a_whole_answer_cancels_too(server, engine)
     body = json.dumps({**BAD, **LONG}).encode()
     host, port = urlsplit(url).hostname, urlsplit(url).port
     with socket.create_connection((host, port)) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
         wait_until(lambda: engine.stats().running == 1, what="the request to start")
     wait_until(lambda: finished(state, "cancelled") == cancelled + 1, what="the request to be cancelled")
