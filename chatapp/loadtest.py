@@ -19,9 +19,10 @@ from typing import Any, Callable
 import httpx
 import numpy as np
 
+from .backend import Settings
 from .metrics_parsers import parse_metrics
-from .openai_client import (TIMEOUT, Endpoint, RemoteError, Reply, connect_error, error_message, request_body,
-                            sse_payload)
+from .openai_client import (TIMEOUT, Endpoint, RemoteError, Reply, SSEDecoder, connect_error, error_message,
+                            model_ids, request_body, stream_events)
 
 PERCENTILES = (50, 90, 99)
 Progress = Callable[[str, float], None]
@@ -43,6 +44,9 @@ class LoadSpec:
     prompt_words: int
     ignore_eos: bool
     chat: bool = True
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
 
 
 def make_prompts(n: int, words: int, seed: int = 0) -> list[str]:
@@ -55,15 +59,17 @@ async def _one(client: httpx.AsyncClient, spec: LoadSpec, model: str, prompt: st
     """One streamed request: the Reply, or the error as text."""
     message: str | list[dict[str, str]] = [{"role": "user", "content": prompt}] if spec.chat else prompt
     body = request_body(model, chat=spec.chat, prompt=message, max_tokens=spec.max_tokens,
-                        temperature=spec.temperature, ignore_eos=spec.ignore_eos)
+                        temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k, seed=spec.seed,
+                        ignore_eos=spec.ignore_eos)
     url = f"{spec.endpoint.v1}/{'chat/completions' if spec.chat else 'completions'}"
     reply = Reply(time.perf_counter())
     try:
         async with client.stream("POST", url, json=body, headers=spec.endpoint.headers()) as r:
             if r.status_code != 200:
                 return error_message(r.status_code, await r.aread())
-            async for line in r.aiter_lines():
-                if (event := sse_payload(line)) is not None:
+            sse = SSEDecoder()
+            async for chunk in r.aiter_bytes():
+                for event in stream_events(sse, chunk):
                     reply.feed(event, time.perf_counter())
     except httpx.HTTPError as e:
         return str(connect_error(spec.endpoint, e))
@@ -91,7 +97,7 @@ async def _model(client: httpx.AsyncClient, endpoint: Endpoint, wanted: str | No
         raise RemoteError(f"/v1/models: {error_message(r.status_code, r.content)}")
     if wanted:
         return wanted                  # the server may serve names it does not list (aliases)
-    ids = [m["id"] for m in r.json().get("data", [])]
+    ids = model_ids(endpoint, r.content)
     if not ids:
         raise RemoteError(f"{endpoint.root} lists no models; name one with --model")
     return ids[0]
@@ -144,7 +150,8 @@ def report(spec: LoadSpec, model: str, results: list[Reply | str], duration: flo
         "setup": {"backend": spec.endpoint.root, "server": server.get("server"),
                   "endpoint": "chat" if spec.chat else "completions", "concurrency": spec.concurrency,
                   "requests": spec.requests, "max_tokens": spec.max_tokens, "prompt_words": spec.prompt_words,
-                  "temperature": spec.temperature, "ignore_eos": spec.ignore_eos},
+                  "temperature": spec.temperature, "top_p": spec.top_p, "top_k": spec.top_k, "seed": spec.seed,
+                  "ignore_eos": spec.ignore_eos},
         "summary": {"successful_requests": len(ok), "failed_requests": len(errors),
                     "first_error": errors[0] if errors else None, "duration_s": duration,
                     "total_input_tokens": input_tokens,
@@ -175,10 +182,13 @@ def _machine() -> dict[str, Any]:
 
 def run_from_args(args: Any, progress: Progress) -> dict[str, Any]:
     """`pdchat bench serve`, from the parsed command line."""
+    from .cli import SAMPLING_FLAGS, given
     if not args.backend:
         raise RemoteError("bench serve load-tests a server: give --backend URL "
                           "(e.g. start `pdchat serve` and pass --backend http://127.0.0.1:8000)")
-    spec = LoadSpec(endpoint=Endpoint.parse(args.backend), model=args.model, concurrency=args.concurrency,
-                    requests=args.requests, max_tokens=args.max_tokens, temperature=args.temperature,
-                    prompt_words=args.prompt_words, ignore_eos=args.ignore_eos, chat=args.endpoint == "chat")
+    sampling = Settings(**given(args, SAMPLING_FLAGS))       # the flags' defaults, as `pdchat run` has them
+    spec = LoadSpec(endpoint=Endpoint.parse(args.backend), model=getattr(args, "model", None),
+                    concurrency=args.concurrency, requests=args.requests, max_tokens=sampling.max_tokens,
+                    temperature=sampling.temperature, prompt_words=args.prompt_words, ignore_eos=args.ignore_eos,
+                    chat=args.endpoint == "chat", top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed)
     return asyncio.run(run_load(spec, progress))

@@ -1,7 +1,6 @@
 """The in-process backend: pdchat.engine.Engine, imported lazily so the UI appears at once."""
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from typing import Any, Iterator
@@ -39,16 +38,14 @@ class LocalBackend(Backend):
         self.model = model
         self.device = device
         self.dtype = dtype
-        self.engine_options = engine_options     # EngineConfig fields (toggles, spec, quant, ...)
+        self.engine_options = engine_options     # the other EngineConfig fields; those left out keep its defaults
         self.engine = None
         self._neighbours: list[threading.Event] = []
 
     def load(self, progress) -> None:
         from pdchat.engine import Engine, EngineConfig
-        fields = {f.name for f in dataclasses.fields(EngineConfig)}
-        options = {k: v for k, v in self.engine_options.items() if k in fields}
-        self.engine = Engine(EngineConfig(model=self.model, device=self.device, dtype=self.dtype, **options),
-                             say=progress)
+        self.engine = Engine(EngineConfig(model=self.model, device=self.device, dtype=self.dtype,
+                                          **self.engine_options), say=progress)
         for notice in self.engine.notices:
             progress(notice)
         progress(f"{self.model} ready on {self.engine.device}")

@@ -7,8 +7,10 @@ divided by the remaining output tokens (counted by the server's `usage` when it 
 """
 from __future__ import annotations
 
+import codecs
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -38,11 +40,17 @@ class Endpoint:
     @classmethod
     def parse(cls, url: str, api_key: str | None = None) -> "Endpoint":
         """Accepts the server root or its /v1 base, as users copy either."""
-        parts = urlsplit(url.strip())
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise RemoteError(f"--backend wants an http(s) URL like http://127.0.0.1:8000, got {url!r}")
-        path = parts.path.rstrip("/").removesuffix("/v1")
-        return cls(f"{parts.scheme}://{parts.netloc}{path}", api_key if api_key is not None else api_key_from_env())
+        wanted = f"--backend wants an http(s) URL like http://127.0.0.1:8000, got {url!r}"
+        try:
+            parts = urlsplit(url.strip())
+            root = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/').removesuffix('/v1')}"
+            parts.port                               # raises for a port that is no number, or out of range
+            httpx.URL(root)                          # what httpx would refuse later, with a traceback
+        except (ValueError, httpx.InvalidURL) as e:
+            raise RemoteError(f"{wanted} ({e})") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise RemoteError(wanted)
+        return cls(root, api_key if api_key is not None else api_key_from_env())
 
     @property
     def v1(self) -> str:
@@ -60,6 +68,15 @@ def error_message(status: int, body: bytes) -> str:
     except (ValueError, AttributeError, KeyError, TypeError):
         message = body.decode("utf-8", "replace").strip()[:300] or "no details"
     return f"HTTP {status}: {message}"
+
+
+def model_ids(endpoint: Endpoint, body: bytes) -> list[str]:
+    """The ids in a /v1/models reply."""
+    try:
+        return [str(m["id"]) for m in json.loads(body).get("data") or []]
+    except (ValueError, AttributeError, KeyError, TypeError):
+        raise RemoteError(f"{endpoint.root}/v1/models did not answer with a model list: "
+                          f"is it an OpenAI-compatible server?") from None
 
 
 def connect_error(endpoint: Endpoint, e: httpx.HTTPError) -> RemoteError:
@@ -83,17 +100,65 @@ def request_body(model: str, *, chat: bool, prompt: str | list[dict[str, str]], 
     return body
 
 
-def sse_payload(line: str) -> dict[str, Any] | None:
-    """The JSON object of one SSE `data:` line; None for other lines and for the final [DONE]."""
-    if not line.startswith("data:"):
+_LINE_END = re.compile("\r\n|\r|\n")
+
+
+class SSEDecoder:
+    """Server-sent events from the raw bytes of a stream, as the WHATWG spec reads them.
+
+    Lines end at CR, LF or CRLF and nowhere else: U+0085 and U+2028, which Python's splitlines()
+    and httpx's iter_lines() also break at, are text inside a `data:` value (a server writing
+    JSON with ensure_ascii=False sends them raw). An event is its `data:` lines joined by "\n",
+    dispatched at a blank line; comments (`:`), other fields and an unfinished last event are
+    dropped, as a browser's EventSource does."""
+
+    def __init__(self) -> None:
+        self._utf8 = codecs.getincrementaldecoder("utf-8-sig")("replace")   # -sig: a leading BOM is dropped
+        self._tail = ""              # text after the last line end
+        self._after_cr = False       # the last chunk ended with CR: an LF starting the next is its pair
+        self._data: list[str] = []
+
+    def feed(self, chunk: bytes) -> list[str]:
+        """The data of each event this chunk completes."""
+        text = self._utf8.decode(chunk)
+        if not text:
+            return []                # a chunk that ends inside a UTF-8 sequence may decode to nothing
+        if self._after_cr and text.startswith("\n"):
+            text = text[1:]
+        self._after_cr = text.endswith("\r")
+        *lines, self._tail = _LINE_END.split(self._tail + text)
+        return [data for line in lines if (data := self._line(line)) is not None]
+
+    def _line(self, line: str) -> str | None:
+        if not line:
+            data, self._data = self._data, []
+            return "\n".join(data) if data else None
+        name, _, value = line.partition(":")
+        if name == "data":           # also drops comments: their name is ""
+            self._data.append(value.removeprefix(" "))
         return None
-    data = line[5:].strip()
-    if not data or data == "[DONE]":
+
+
+def event_payload(data: str) -> dict[str, Any] | None:
+    """The JSON object an OpenAI stream event carries; None for the final [DONE] and empty events."""
+    if data.strip() in ("", "[DONE]"):
         return None
     try:
-        return json.loads(data)
+        event = json.loads(data)
     except ValueError:
-        raise RemoteError(f"the server sent a malformed stream event: {data[:200]!r}") from None
+        event = None
+    if not isinstance(event, dict):
+        raise RemoteError(f"the server sent a malformed stream event: {data[:200]!r}")
+    return event
+
+
+def stream_events(sse: SSEDecoder, chunk: bytes) -> list[dict[str, Any]]:
+    """The JSON objects of the events `chunk` completes, for a client reading the raw bytes."""
+    return [event for data in sse.feed(chunk) if (event := event_payload(data)) is not None]
+
+
+def _dict_or(value: Any, default: dict[str, Any] | None) -> dict[str, Any] | None:
+    return value if isinstance(value, dict) and value else default
 
 
 @dataclass
@@ -112,12 +177,15 @@ class Reply:
         if "error" in event:
             err = event["error"]
             raise RemoteError(f"the server failed mid-stream: {err.get('message') if isinstance(err, dict) else err}")
-        self.usage = event.get("usage") or self.usage
-        self.timings = event.get("timings") or self.timings
         text = ""
-        for choice in event.get("choices") or []:
-            text += (choice.get("delta") or {}).get("content") or choice.get("text") or ""
-            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        try:
+            for choice in event.get("choices") or []:
+                text += (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+                self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        except (AttributeError, TypeError):     # off the OpenAI schema: end the reply, not the reader thread
+            raise RemoteError(f"the server sent a stream event pdchat cannot read: {json.dumps(event)[:200]}") from None
+        self.usage = _dict_or(event.get("usage"), self.usage)
+        self.timings = _dict_or(event.get("timings"), self.timings)
         if text:
             self.chunk_times.append(t)
             self.parts.append(text)

@@ -16,8 +16,8 @@ import httpx
 
 from .backend import CAPABILITIES, Backend, Done, Event, Generation, Phase, Progress, Settings, Token
 from .metrics_parsers import parse_metrics
-from .openai_client import (TIMEOUT, Endpoint, RemoteError, Reply, connect_error, error_message, request_body,
-                            sse_payload)
+from .openai_client import (TIMEOUT, Endpoint, RemoteError, Reply, SSEDecoder, connect_error, error_message,
+                            model_ids, request_body, stream_events)
 
 _CANCEL = object()
 
@@ -60,15 +60,14 @@ class RemoteGeneration(Generation):
                                      headers=self._endpoint.headers()) as r:
                 if r.status_code != 200:
                     raise RemoteError(error_message(r.status_code, r.read()))
-                for line in r.iter_lines():
+                sse = SSEDecoder()
+                for chunk in r.iter_bytes():
                     if self._cancelled.is_set():
                         return                    # leaving the block closes the connection
-                    event = sse_payload(line)
-                    if event is None:
-                        continue
-                    t = time.perf_counter()
-                    if text := reply.feed(event, t):
-                        self._events.put(Token(text, t, len(reply.chunk_times) - 1))
+                    for event in stream_events(sse, chunk):
+                        t = time.perf_counter()
+                        if text := reply.feed(event, t):
+                            self._events.put(Token(text, t, len(reply.chunk_times) - 1))
             reply.t_end = time.perf_counter()
             if reply.finish_reason is None:
                 raise RemoteError("the server ended the stream without a finish reason")
@@ -97,7 +96,7 @@ class RemoteBackend(Backend):
     def load(self, progress: Progress) -> None:
         self.endpoint = Endpoint.parse(self.url, self.api_key)
         progress(f"connecting to {self.endpoint.root}…")
-        ids = [m["id"] for m in self._get_json("/v1/models").get("data", [])]
+        ids = self._model_ids()
         if self.requested_model and self.requested_model not in ids:
             raise RemoteError(f"{self.endpoint.root} does not serve {self.requested_model!r}; "
                               f"it serves: {', '.join(ids) or 'nothing'}")
@@ -112,19 +111,19 @@ class RemoteBackend(Backend):
         if self.endpoint is None:
             return super().models()
         try:
-            return [m["id"] for m in self._get_json("/v1/models").get("data", [])]
+            return self._model_ids()
         except Exception:   # the list is a convenience: a server that will not say offers none
             return super().models()
 
-    def _get_json(self, path: str) -> dict[str, Any]:
+    def _model_ids(self) -> list[str]:
         assert self.endpoint is not None
         try:
-            r = self._client.get(self.endpoint.root + path, headers=self.endpoint.headers())
+            r = self._client.get(self.endpoint.root + "/v1/models", headers=self.endpoint.headers())
         except httpx.HTTPError as e:
             raise connect_error(self.endpoint, e) from None
         if r.status_code != 200:
-            raise RemoteError(f"{path}: {error_message(r.status_code, r.content)}")
-        return r.json()
+            raise RemoteError(f"/v1/models: {error_message(r.status_code, r.content)}")
+        return model_ids(self.endpoint, r.content)
 
     @property
     def capabilities(self) -> dict[str, bool]:

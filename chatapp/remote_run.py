@@ -11,11 +11,10 @@ from .remote_backend import RemoteBackend
 
 
 def run_remote(args: argparse.Namespace) -> int:
-    from .cli import _read_prompt, report_turn
+    from .cli import SETTINGS_FLAGS, _read_prompt, given, report_turn
     prompt = _read_prompt(args)
-    settings = Settings(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                        top_k=args.top_k, seed=args.seed, system=args.system)
-    backend = RemoteBackend(args.backend, model=args.model)
+    settings = Settings(**given(args, SETTINGS_FLAGS))
+    backend = RemoteBackend(args.backend, model=getattr(args, "model", None))
     done: Done | None = None
     try:
         backend.load(lambda line: None)

@@ -152,7 +152,8 @@ def test_app_picks_the_remote_backend_for_a_url():
     from pdchat.chatapp.app import make_backend
     from pdchat.chatapp.local_backend import LocalBackend
     from pdchat.chatapp.remote_backend import RemoteBackend
-    remote = make_backend({"backend": "http://127.0.0.1:9", "model": "m"})
+    remote = make_backend({"model": "m", "threads": 1}, "http://127.0.0.1:9")
     assert isinstance(remote, RemoteBackend) and remote.url == "http://127.0.0.1:9" and remote.model == "m"
     remote.close()
-    assert isinstance(make_backend({"model": "random:tiny"}), LocalBackend)
+    local = make_backend({"model": "random:tiny", "threads": 1})
+    assert isinstance(local, LocalBackend) and (local.model, local.engine_options) == ("random:tiny", {"threads": 1})
