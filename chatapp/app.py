@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 import tomllib
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from textual.app import App, SystemCommand
 from textual.binding import Binding
@@ -14,10 +15,16 @@ from textual.screen import Screen
 from pdchat.themes import DEFAULT_THEME, THEMES, role_defaults
 
 from .backend import DEFAULT_CHUNK, Backend, Settings, Toggles
+from .loading import BackendLoaded, LoadProgress, start_load
 from .screens.chat import ChatScreen
 from .screens.lab import LabScreen, lab_runner
 from .store import Store
 from .widgets.toggles import TogglesBox
+
+if TYPE_CHECKING:
+    from textual.driver import Driver
+
+    from .hangup import HangUp
 
 TOGGLE_KEYS = ("kv_cache", "prefix_cache", "chunk_size", "spec", "quant")
 PALETTE = [  # (title, help, action on the chat screen)
@@ -59,6 +66,8 @@ class PdchatApp(App):
         self.clock = clock
         self.ready = False
         self.load_error: str | None = None
+        self.incoming: Backend | None = None       # the model being switched to, while it loads
+        self.retired: list[Backend] = []           # replaced, closed once no reply streams from them
         for theme in THEMES:
             self.register_theme(theme)
         theme = store.get_setting("theme") or self.config.get("theme") or DEFAULT_THEME
@@ -87,55 +96,99 @@ class PdchatApp(App):
 
     # ---- model loading --------------------------------------------------------------------------
     def load_backend(self) -> None:
+        """Load the current backend; the chat waits for it (a switch loads on the side instead)."""
         self.ready = False
-        self.run_worker(self._load, thread=True, group="load", exit_on_error=False)
+        start_load(self, self.backend)
 
-    def _status(self, line: str) -> None:
-        self.call_from_thread(lambda: self.chat.set_status(line))
+    def on_load_progress(self, event: LoadProgress) -> None:
+        if event.backend in (self.backend, self.incoming):
+            self.chat.set_status(event.line)
 
-    def _load(self) -> None:
-        backend = self.backend
-        try:
-            backend.load(self._status)
-        except Exception as e:                      # shown, never fatal
-            msg = f"{type(e).__name__}: {e}" if not str(e) else str(e)
-            self.call_from_thread(self._loaded, backend, msg)
-            return
-        self.call_from_thread(self._loaded, backend, None)
+    def on_backend_loaded(self, event: BackendLoaded) -> None:
+        if event.backend is self.backend:
+            self._loaded(event.backend, event.error)
+        elif event.backend is self.incoming:
+            self._switched(event.backend, event.error)
+        else:                              # replaced while it was still loading
+            self._close(event.backend)
 
     def _loaded(self, backend: Backend, error: str | None) -> None:
-        if backend is not self.backend:
-            return
         self.load_error = error
         self.ready = error is None
         chat = self.chat
+        chat.set_status(self._status_line())
         if error:
-            chat.set_status(f"[b]model not loaded[/b]: {error}")
             self.notify(f"Could not load {backend.model}: {error}", severity="error", timeout=15)
-        else:
-            chat.set_status(f"{backend.model} ready")
-            if self.toggles.neighbours:
-                self.toggles.neighbours = 0
+        elif self.toggles.neighbours:
+            self.toggles.neighbours = 0
         chat.query_one(TogglesBox).set_caps(backend.capabilities, self.toggles)
         chat.refresh_panel()
 
+    def _status_line(self) -> str:
+        if self.ready:
+            return f"{self.backend.model} ready"
+        if self.load_error:
+            return f"[b]model not loaded[/b]: {self.load_error}"
+        return f"loading {self.backend.model}…"
+
     def switch_model(self, model: str) -> None:
-        if self.chat.live:
-            self.notify("Wait for the running replies to finish (or cancel them) first.", severity="warning")
-            return
+        """Load `model` beside the current one, which keeps serving; it is replaced only once the
+        new one is ready, so a typo costs nothing."""
         if self.backend_factory is None:
             self.notify("Switching models is unavailable with this backend.", severity="warning")
             return
-        old = self.backend
-        self.backend = self.backend_factory(model)
-        self.sub_title = model
-        self.store.set_setting("model", model)
+        if self.incoming is not None:
+            self.notify(f"{self.incoming.model} is still loading.", severity="warning")
+            return
         try:
-            old.close()
+            self.incoming = self.backend_factory(model)
         except Exception as e:
-            self.notify(f"Closing the old model failed: {e}", severity="warning")
+            self.notify(f"Could not load {model}: {e}", severity="error", timeout=15)
+            return
         self.chat.set_status(f"loading {model}…")
-        self.load_backend()
+        start_load(self, self.incoming)
+
+    def _switched(self, backend: Backend, error: str | None) -> None:
+        self.incoming = None
+        if error:
+            self._close(backend)          # whatever the failed load allocated
+            self.chat.set_status(self._status_line())
+            self.notify(f"Could not load {backend.model}: {error}. Still using {self.backend.model}.",
+                        severity="error", timeout=15)
+            return
+        self.retired.append(self.backend)
+        self.backend = backend
+        self.sub_title = backend.model
+        self.store.set_setting("model", backend.model)
+        self._loaded(backend, None)
+        self.close_retired()
+
+    def close_retired(self) -> None:
+        """Close replaced backends once no reply streams from them (ChatScreen calls this when a
+        reply ends)."""
+        if not self.chat.live:
+            while self.retired:
+                self._close(self.retired.pop())
+
+    def _close(self, backend: Backend) -> None:
+        try:
+            backend.close()
+        except Exception as e:
+            self.notify(f"Closing {backend.model} failed: {e}", severity="warning")
+
+    # ---- terminal hang-up -----------------------------------------------------------------------
+    def get_driver_class(self) -> type[Driver]:
+        driver = super().get_driver_class()
+        if sys.platform == "win32":
+            return driver
+        from textual.drivers.linux_driver import LinuxDriver
+
+        from .hangup import HangupDriver
+        return HangupDriver if driver is LinuxDriver else driver
+
+    def on_hang_up(self, event: HangUp) -> None:
+        """The terminal is gone (or SIGTERM came): exit the ordinary way (replies saved, backend closed)."""
+        self.exit(return_code=event.exit_code)
 
     # ---- toggles --------------------------------------------------------------------------------
     async def apply_toggles(self, changes: dict[str, Any], quiet: bool = False) -> bool:
@@ -217,33 +270,34 @@ def _read_config() -> dict:
         return {}
 
 
-def make_backend(options: dict, model: str | None = None) -> Backend:
-    if options.get("backend"):
+def make_backend(engine: dict[str, Any], backend: str | None = None) -> Backend:
+    """A server's backend when `backend` (a URL) is set, else the local engine; `engine` holds
+    EngineConfig fields (those left out keep EngineConfig's defaults)."""
+    if backend:
         from .remote_backend import RemoteBackend
-        return RemoteBackend(options["backend"], model=model or options.get("model"))
+        return RemoteBackend(backend, model=engine.get("model"))
     from .local_backend import LocalBackend
-    engine_options = {k: options[k] for k in TOGGLE_KEYS + ("spec_tokens", "draft_model") if options.get(k) is not None}
-    return LocalBackend(model=model or options.get("model") or "smollm2-135m",
-                        device=options.get("device") or "auto", dtype=options.get("dtype") or "auto",
-                        **engine_options)
+    return LocalBackend(**engine)
 
 
-def run_app(options: dict) -> int:
-    """Open the chat app; returns an exit code. Keys of `options` are the CLI flags (see cli.py)."""
+def run_app(engine: dict[str, Any], settings: dict[str, Any], backend: str | None = None) -> int:
+    """Open the chat app; returns an exit code. `engine` and `settings` are the EngineConfig and
+    Settings fields the command line gave (cli.py); `backend` a server's URL, if any."""
     from pdchat.engine.paths import data_dir
-    options = dict(options or {})
     config = _read_config()
     store = Store(data_dir() / "pdchat.db")
-    toggles = Toggles.from_dict(store.get_setting("toggles"))
-    for key in TOGGLE_KEYS:
-        if options.get(key) is not None:
-            setattr(toggles, key, options[key])
-    settings = Settings(**{k: options[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "seed", "system")
-                           if options.get(k) is not None})
-    opts = {**options, **{k: getattr(toggles, k) for k in TOGGLE_KEYS}}
-    backend = make_backend(opts)
-    app = PdchatApp(backend, store, toggles=toggles, settings=settings, config=config,
-                    backend_factory=lambda m: make_backend(opts, m), export_dir=os.getcwd())
+    saved = store.get_setting("toggles") or {}
+    # Saved toggles stand in for the engine's defaults; a flag given on the command line beats both.
+    engine = {**{k: saved[k] for k in TOGGLE_KEYS if k in saved}, **engine}
+    toggles = Toggles.from_dict({**saved, **{k: engine[k] for k in TOGGLE_KEYS if k in engine}})
+
+    def switched_backend(model: str) -> Backend:
+        # The toggles as they are now: the user may have changed them since the start.
+        current = {k: getattr(app.toggles, k) for k in TOGGLE_KEYS}
+        return make_backend({**engine, **current, "model": model}, backend)
+
+    app = PdchatApp(make_backend(engine, backend), store, toggles=toggles, settings=Settings(**settings),
+                    config=config, backend_factory=switched_backend, export_dir=os.getcwd())
     try:
         app.run()
     finally:

@@ -257,6 +257,8 @@ class ChatScreen(ChatActions, Screen):
             await view.finish(text, status, metrics)
             if view is self.stream_view:
                 self.stream_view = None
+        if not self.live:
+            self.app.close_retired()
         if done.error:
             self.notify(f"Generation failed: {done.error}", severity="error")
         if self.compare_restore is not None and live.conversation_id == self.compare_restore.get("conv"):
@@ -284,8 +286,10 @@ class ChatScreen(ChatActions, Screen):
                                                    self.app.toggles.to_dict(), tokens, self.backend.now())
 
     def on_unmount(self) -> None:
+        """The app is ending (quit, hang-up): stop the replies and keep what they streamed."""
         for live in list(self.live.values()):
             live.generation.cancel()
+            self.store.update_message(live.message_id, content=live.full_text(), status="interrupted")
 
     def on_resize(self, event) -> None:
         self.set_class(event.size.width < 110, "-narrow")

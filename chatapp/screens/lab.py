@@ -2,6 +2,8 @@
 and the curves; it opens on the last saved run (data_dir()/lab/)."""
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Any, Callable
 
 from rich.table import Table
@@ -30,7 +32,9 @@ def lab_runner(backend: Backend) -> tuple[Runner | None, str | None]:
     def run(progress: Progress) -> dict[str, Any]:
         from pdchat.engine import EngineConfig
         from pdchat.engine.bench import run_suite
-        config = EngineConfig(model=backend.model, device=backend.device, dtype=backend.dtype)
+        # The chat's machine settings (threads, kernels) hold; the lab sets the toggles itself.
+        machine = {k: v for k, v in backend.engine_options.items() if k in ("threads", "kernels")}
+        config = EngineConfig(model=backend.model, device=backend.device, dtype=backend.dtype, **machine)
         return run_suite("lab", config, progress=progress)
 
     return run, None
@@ -103,7 +107,8 @@ class LabScreen(Screen):
             return
         self.running = True
         self.query_one("#lab-progress").display = True
-        self.run_worker(self._run, thread=True, group="lab", exit_on_error=False)
+        # a daemon thread, not a Textual worker: those are joined on exit, and a lab run takes minutes
+        threading.Thread(target=self._run, daemon=True, name="pdchat-lab").start()
 
     def _progress(self, what: str, fraction: float) -> None:
         def update() -> None:
@@ -113,11 +118,11 @@ class LabScreen(Screen):
 
     def _run(self) -> None:
         try:
-            result = self.runner(self._progress)
+            result, error = self.runner(self._progress), None
         except Exception as e:                     # shown, never fatal
-            self.app.call_from_thread(self._finished, None, f"{type(e).__name__}: {e}")
-            return
-        self.app.call_from_thread(self._finished, result, None)
+            result, error = None, f"{type(e).__name__}: {e}"
+        with contextlib.suppress(RuntimeError):    # the app ended during the run: nobody to tell
+            self.app.call_from_thread(self._finished, result, error)
 
     def _finished(self, result: dict[str, Any] | None, error: str | None) -> None:
         self.running = False

@@ -5,6 +5,7 @@ import pytest
 
 from pdchat.chatapp.backend import DEFAULT_CHUNK
 from pdchat.chatapp.fake_backend import FakeBackend
+from pdchat.chatapp.screens import chat as chat_screen
 from pdchat.chatapp.store import Store
 from pdchat.chatapp.widgets.messages import MessageView
 from pdchat.chatapp.widgets.toggles import TogglesBox
@@ -72,6 +73,21 @@ async def test_cancel_keeps_partial_reply_marked_cancelled(make_app):
         assert (msg.status, msg.content, msg.metrics["finish_reason"]) == ("cancelled", "one two three", "cancelled")
         header = str(list(app.chat.query(MessageView))[-1].query_one(".message-header").render())
         assert "cancelled" in header
+
+
+async def test_quitting_mid_reply_saves_the_partial_text(make_app, monkeypatch):
+    monkeypatch.setattr(chat_screen, "SAVE_S", float("inf"))   # no periodic saves: only the exit path writes
+    backend = FakeBackend(hold="decode:3", replies=["one two three four five six"])
+    app = make_app(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "count")
+        await wait_for(pilot, backend.held.is_set)
+        conv = app.chat.conv_id
+        await pilot.press("ctrl+q")
+    assert backend.generations[-1].cancelled.is_set()
+    msg = app.store.messages(conv)[-1]
+    assert (msg.role, msg.content, msg.status) == ("assistant", "one two three", "interrupted")
 
 
 async def test_regenerate_replaces_last_reply(make_app):

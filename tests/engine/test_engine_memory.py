@@ -1,0 +1,71 @@
+"""Closing an engine gives its memory back to the operating system, so a chat session that
+switches models (or loads a draft) again and again stays the size of one model."""
+from __future__ import annotations
+
+import gc
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from pdchat.engine import Engine, SamplingParams
+from pdchat.engine.random_models import PRESETS
+
+# ~115 MB of fp32 weights: the layers' tensors (1-3 MB) live in glibc's heap, which keeps freed
+# pages unless asked; the two 32 MB vocabulary matrices are mappings of their own.
+MID = {**PRESETS["tiny"], "vocab_size": 16384, "hidden_size": 512, "intermediate_size": 1536,
+       "num_hidden_layers": 4}
+CYCLES = 4
+
+
+def rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def load_answer_close(**options) -> int:
+    """One model switch as the chat app does it: load on another thread, answer, close, drop.
+    Returns the weights' size in bytes."""
+    loaded: list[Engine] = []
+    loader = threading.Thread(target=lambda: loaded.append(
+        Engine(model="random:mid", device="cpu", telemetry=False, kv_cache_mb=32, **options)))
+    loader.start()
+    loader.join()
+    engine = loaded.pop()
+    size = engine.loaded.model.weight_bytes()
+    done = engine.submit("hello there", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)).result(60)
+    assert len(done.token_ids) == 8                # the KV pool and the step's buffers were used too
+    engine.close()
+    return size
+
+
+def cycles(options: dict) -> tuple[int, list[int]]:
+    """The weights' size, and how far RSS grew past the first cycle after each later one."""
+    PRESETS["mid"] = MID
+    size = load_answer_close(**options)        # the first pays one-time costs (kernels, pools, caches)
+    gc.collect()
+    base = rss()
+    after = []
+    for _ in range(CYCLES):
+        load_answer_close(**options)
+        gc.collect()
+        after.append(rss() - base)
+    return size, after
+
+
+@pytest.mark.parametrize("options", [{}, {"spec": "draft"}], ids=["model", "model and draft"])
+def test_closed_engines_give_their_memory_back(options):
+    # In a fresh interpreter: what hundreds of earlier tests left in this process's heap must not
+    # decide the figure.
+    code = f"import json; from tests.engine.test_engine_memory import cycles; print(json.dumps(cycles({options!r})))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
+                          cwd=Path(__file__).parents[2])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    size, after = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert max(after) < size / 4, (f"after each load/close the process had grown by "
+                                   f"{[round(a / 2**20) for a in after]} MB (one model: {size / 2**20:.0f} MB)")
