@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 # e.g. `make run TORCH_SPEC=torch` or a CUDA index URL in PIP_EXTRA_INDEX_URL.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: run test venv clean
+.PHONY: run test venv clean mutation
 
 $(VENV)/.installed: pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "pdchat needs Python 3.11+")'
@@ -27,6 +27,15 @@ run: venv
 
 test: venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Mutation testing of the engine's critical modules (sampler, spec, block manager, scheduler):
+# tools/mutation.py stages a pdchat/ copy under build/mutation, runs mutmut with one worker and
+# writes build/mutation/report.md (docs/mutation.md). Not part of `make test`: hours on 2 cores.
+MUTMUT_VERSION ?= 3.8.1
+mutation: venv
+	@$(PY) -c 'import importlib.metadata as m, sys; sys.exit(m.version("mutmut") != "$(MUTMUT_VERSION)")' 2>/dev/null \
+		|| $(PY) -m pip install -q --disable-pip-version-check "mutmut==$(MUTMUT_VERSION)" 2>&1 | { grep -v "^WARNING: Location" || true; }
+	$(PY) tools/mutation.py $(MUTATION_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

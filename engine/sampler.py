@@ -50,7 +50,8 @@ def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
         probs = probs / probs.sum(-1, keepdim=True)
     if bool(greedy.any()):
         one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
-        probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
+        # argmax of a NaN row is some index: such a row keeps its NaNs, so `usable` rejects it
+        probs = torch.where((greedy & ~torch.isnan(logits).any(-1)).unsqueeze(1), one_hot, probs)
     return probs
 
 

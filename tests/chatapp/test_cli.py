@@ -41,6 +41,12 @@ def test_run_streams_text_then_summary(capsys, monkeypatch):
                              "--temperature", "0", stdin="from stdin".encode())
     assert code == 0
     assert "TTFT" in err and "tok/s" in err and "TPOT" in err and "prompt tok" in err
+    # stdout is the streamed text itself: the engine's greedy answer to the same prompt, then a newline
+    from pdchat.engine import Engine, SamplingParams
+    with Engine(model="random:tiny", telemetry=False, kv_cache_mb=8) as engine:
+        want = engine.submit("from stdin", SamplingParams(max_tokens=5, temperature=0)).result()
+    assert want.text and out == want.text + "\n"
+    assert f"{len(want.token_ids)} tok" in err
 
 
 def _gguf_file(path, truncate: bool) -> None:

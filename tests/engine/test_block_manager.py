@@ -181,3 +181,11 @@ def test_turning_the_prefix_cache_off_forgets_every_cached_block_and_on_again_wo
     bm.ensure_capacity(b, 5)
     bm.commit(b, 5)
     assert bm.match_prefix(seq([1, 2, 3, 4, 5], "c")) == 4
+
+
+def test_hit_rate_adds_up_every_lookup():
+    bm = BlockManager(4, 2)
+    assert bm.hit_rate is None                              # nothing looked up yet
+    bm.record_lookup(10, 4)
+    bm.record_lookup(6, 0)
+    assert (bm.queried_tokens, bm.hit_tokens) == (16, 4) and bm.hit_rate == 0.25

@@ -114,6 +114,16 @@ def test_sample_marks_unusable_rows_and_samples_the_rest():
     assert greedy[1] == NO_TOKEN and greedy[0] == 1 and greedy[2] == 2
 
 
+def test_a_greedy_row_with_nan_logits_is_unusable_beside_sampled_rows():
+    logits = torch.tensor([[math.nan, 1.0, 0.0], [0.0, 5.0, 1.0]])
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.5)]
+    out = sample(logits, params, [None, torch.Generator().manual_seed(0)]).tolist()
+    assert out[0] == NO_TOKEN and out[1] in (0, 1, 2)
+    seq = Sequence("r", [1, 2, 3], SamplingParams(temperature=0))
+    with pytest.raises(SamplingFailed):                      # a greedy verify with NaN logits
+        verify(logits[[0, 0]], Draft([1], None), seq, None)
+
+
 def test_verify_refuses_non_finite_logits():
     seq = Sequence("r", [1, 2, 3], SamplingParams(temperature=0.8))
     logits = torch.zeros(3, 5)

@@ -58,3 +58,13 @@ def test_seeded_sampling_is_reproducible_and_follows_the_distribution():
 def test_bad_sampling_params_are_rejected(bad):
     with pytest.raises(InvalidRequest):
         SamplingParams(**bad)
+
+
+def test_usable_needs_finite_non_negative_rows_with_mass():
+    from pdchat.engine.sampler import usable
+    rows = torch.tensor([[0.2, 0.8, 0.0],                   # a distribution
+                         [float("nan"), 0.5, 0.5],
+                         [float("inf"), 0.0, 0.0],
+                         [0.6, -0.1, 0.5],                  # negative weight, positive sum
+                         [0.0, 0.0, 0.0]])                  # no mass
+    assert usable(rows).tolist() == [True, False, False, False, False]

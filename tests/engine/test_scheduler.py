@@ -65,3 +65,20 @@ def test_a_refused_admission_keeps_no_blocks():
     assert [i.seq for i in plan.items] == [runner]
     assert newcomer.status is Status.WAITING and newcomer.block_table == []
     assert blocks.num_used == len(runner.block_table)
+
+
+def test_preemption_resets_the_victim_and_counts_every_time():
+    blocks = BlockManager(num_blocks=8, block_size=4, prefix_cache=False)
+    sched = Scheduler(blocks, max_num_seqs=8, chunk_size=None)
+    victim = seq("victim", 6)
+    sched.add(victim)
+    run(sched.schedule())
+    victim.draft_computed = 5
+    for n in (1, 2):
+        sched._preempt(victim)
+        assert victim.preemptions == n
+        assert victim.num_computed_tokens == 0 and victim.draft_computed == 0
+        assert victim.status is Status.WAITING and victim.block_table == [] and blocks.num_used == 0
+        assert list(sched.waiting) == [victim] and sched.running == []
+        run(sched.schedule())                                 # admitted again
+        assert victim.status is Status.RUNNING

@@ -129,3 +129,178 @@ def test_spec_under_preemption_is_lossless_and_leak_free():
         assert sum(c.metrics.preemptions for c in got) > 0
         assert sum(c.metrics.spec_accepted for c in got) > 0
         assert small.stats().kv_blocks_used == 0
+
+
+# ---- unit checks of the proposers and AdaptiveK (they kill mutants: see docs/mutation.md) -------
+
+def test_ngram_defaults_and_overlapping_repeats():
+    ng = NgramProposer()
+    assert (ng.max_n, ng.min_n) == (3, 2)
+    # The latest earlier occurrence may overlap the tail by all but one token.
+    assert ng.lookup([5, 5, 5], 2) == [5]
+    assert ng.lookup([1, 2, 3, 4, 2, 3, 4, 2, 3, 4], 3) == [2, 3, 4]
+    # A 4-gram repeat is not preferred over the latest 3-gram one with default max_n = 3.
+    assert ng.lookup([1, 2, 3, 4, 8, 9, 0, 2, 3, 4, 7, 1, 2, 3, 4], 1) == [7]
+
+
+class _FakeRunner:
+    """A draft model whose logits favour token (last input token + 1) mod V; NaN logits for a
+    sequence whose block table is [-1]."""
+
+    def __init__(self, vocab: int = 16, flat: bool = False, switch=None):
+        self.vocab, self.flat, self.switch = vocab, flat, switch
+        self.calls: list[list[tuple[list[int], int]]] = []
+        self.int8_seen: list[bool] = []
+
+    def forward(self, work, positions):
+        self.calls.append([(list(w.tokens), w.start) for w in work])
+        if self.switch is not None:
+            self.int8_seen.append(self.switch.int8)
+        logits = torch.zeros(len(work), self.vocab)
+        for row, w in enumerate(work):
+            if not self.flat:
+                logits[row, (w.tokens[-1] + 1) % self.vocab] = 8.0
+            if w.block_table == [-1]:
+                logits[row] = float("nan")
+        return logits
+
+
+def _draft_seq(rid: str, tokens: list[int], **params) -> Sequence:
+    return Sequence(rid, list(tokens), SamplingParams(**params))
+
+
+def test_draft_proposer_drafts_k_tokens_per_sequence_and_tracks_its_cache():
+    from pdchat.engine.spec import DraftProposer
+    runner = _FakeRunner()
+    prop = DraftProposer("draft:x", runner)
+    assert prop.name == "draft:x" and prop.int8_switch is None
+    a, b, c = (_draft_seq("a", [1, 2, 3], temperature=0), _draft_seq("b", [7], temperature=0),
+               _draft_seq("c", [4, 5], temperature=0))
+    drafts = prop.propose([a, b, c], [3, 1, 0])
+    assert [d.tokens for d in drafts] == [[4, 5, 6], [8], []]
+    assert drafts[0].probs.shape == (3, 16) and drafts[1].probs.shape == (1, 16)
+    assert drafts[2].probs is None                         # nothing drafted: no distribution
+    assert torch.allclose(drafts[0].probs.sum(-1), torch.ones(3))
+    # Step 0 catches up from draft_computed; later steps feed one token each.
+    assert runner.calls == [[([1, 2, 3], 0), ([7], 0)], [([4], 3)], [([5], 4)]]
+    assert (a.draft_computed, b.draft_computed, c.draft_computed) == (5, 1, 0)
+
+
+def test_draft_proposer_skips_an_unusable_row_but_not_the_others():
+    from pdchat.engine.spec import DraftProposer
+    runner = _FakeRunner()
+    a, b = _draft_seq("a", [1, 2], temperature=1.0), _draft_seq("b", [3], temperature=0)
+    a.block_table = [-1]
+    drafts = DraftProposer("d", runner).propose([a, b], [2, 2])
+    assert drafts[0].tokens == [] and drafts[0].probs is None
+    assert drafts[1].tokens == [4, 5]
+    assert (a.draft_computed, b.draft_computed) == (2, 2)
+
+
+def test_draft_proposer_samples_with_the_request_generator():
+    from pdchat.engine.spec import DraftProposer
+    V, k = 1000, 4
+
+    def drafted(seed):
+        s = _draft_seq("s", [1, 2], temperature=1.0)
+        s.generator = torch.Generator().manual_seed(seed)
+        return DraftProposer("d", _FakeRunner(vocab=V, flat=True)).propose([s], [k])[0].tokens
+
+    g = torch.Generator().manual_seed(5)
+    uniform = torch.full((V,), 1.0 / V)
+    want = [int(torch.multinomial(uniform, 1, generator=g)[0]) for _ in range(k)]
+    torch.manual_seed(0)
+    assert drafted(5) == want and drafted(5) == want and drafted(6) != want
+
+
+def test_self_draft_runs_in_int8_mode_and_restores_it():
+    from types import SimpleNamespace
+
+    from pdchat.engine.spec import DraftProposer
+    switch = SimpleNamespace(int8=False)
+    runner = _FakeRunner(switch=switch)
+    prop = DraftProposer("self-draft", runner, int8_switch=switch)
+    assert prop.int8_switch is switch
+    prop.propose([_draft_seq("s", [1], temperature=0)], [2])
+    assert runner.int8_seen == [True, True] and switch.int8 is False
+
+
+def test_adaptive_k_defaults_and_boundaries():
+    ak = AdaptiveK(3)
+    assert (ak.k0, ak.max_k, ak.min_rate, ak.window) == (3, 6, 0.3, 16)
+    s = _fake_seq(SamplingParams())
+    s.spec_k = 2
+    ak.update(s, 2, 0)
+    assert s.spec_k == 1                                    # shrinks down to 1, not below
+    ak.update(s, 1, 0)
+    assert s.spec_k == 1
+    # A rate exactly at min_rate keeps speculating; one exactly `window` drafts long is judged.
+    at = AdaptiveK(4, min_rate=0.25, window=8)
+    s = _fake_seq(SamplingParams())
+    at.update(s, 4, 1)
+    at.update(s, 4, 1)
+    assert not s.spec_off and at.next_k(s) == 2
+    low = AdaptiveK(4, min_rate=0.25, window=8)
+    s = _fake_seq(SamplingParams())
+    low.update(s, 4, 1)
+    low.update(s, 4, 0)
+    assert s.spec_off and low.next_k(s) == 0
+
+
+
+def test_verify_draws_its_tokens_from_the_request_generator():
+    # A seeded request must get the same tokens from verify as from its own generator: the bonus
+    # token (no draft) and the residual after a certain rejection (draft token has p = 0).
+    V = 1000
+    seq = _fake_seq(SamplingParams(temperature=1.0))
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(1))
+    p = logits.softmax(-1)
+    for seed in range(5):
+        want = int(torch.multinomial(p[0], 1, generator=torch.Generator().manual_seed(seed))[0])
+        torch.manual_seed(100 + seed)                       # the global generator must not be used
+        assert verify(logits[:1], Draft([], None), seq, torch.Generator().manual_seed(seed)) == ([want], 0)
+        masked = logits.clone()
+        masked[0, 7] = float("-inf")                          # the drafted token 7 has p = 0
+        g = torch.Generator().manual_seed(seed)
+        torch.rand(1, generator=g)                            # verify's accept draw
+        residual = masked[0].softmax(-1)
+        want = int(torch.multinomial(residual, 1, generator=g)[0])
+        assert verify(masked, Draft([7], None), seq, torch.Generator().manual_seed(seed)) == ([want], 0)
+
+
+def test_verify_refuses_non_finite_target_logits_with_a_clear_error():
+    from pdchat.engine.errors import SamplingFailed
+    seq = _fake_seq(SamplingParams(temperature=1.0))
+    logits = torch.zeros(2, 8)
+    logits[1, 3] = float("nan")
+    with pytest.raises(SamplingFailed) as failed:
+        verify(logits, Draft([2], None), seq, None)
+    assert str(failed.value) == "the model's output has no usable distribution to sample from (non-finite logits)"
+
+
+def test_verify_accepts_p_equal_q_without_drawing():
+    # p(token) == q(token) accepts outright: no uniform is drawn, so the bonus token is the
+    # generator's first draw (a seeded request's stream depends on it).
+    V = 1000
+    seq = _fake_seq(SamplingParams(temperature=1.0))
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(2))
+    p = logits.softmax(-1)
+    for seed in range(5):
+        want = int(torch.multinomial(p[1], 1, generator=torch.Generator().manual_seed(seed))[0])
+        out = verify(logits, Draft([11], p[:1].clone()), seq, torch.Generator().manual_seed(seed))
+        assert out == ([11, want], 1)
+
+
+def test_verify_falls_back_to_the_target_row_when_the_residual_is_empty():
+    # Rounding can leave max(0, p - q) all zero after a rejection (q >= p everywhere, q(t) > p(t)):
+    # the token then comes from p itself, never from a 0/0 row.
+    seq = _fake_seq(SamplingParams(temperature=1.0))
+    logits = torch.tensor([[0.5, 0.5], [0.5, 0.5]]).log()
+    q = torch.tensor([[0.5, 0.9]])
+    gen = torch.Generator().manual_seed(0)
+    rejected = 0
+    for _ in range(200):
+        out, accepted = verify(logits, Draft([1], q), seq, gen)
+        assert out[0] in (0, 1) and len(out) == accepted + 1
+        rejected += accepted == 0
+    assert rejected > 40                      # 1 - 0.5 / 0.9 = 44 % of the drafts are rejected
