@@ -19,3 +19,24 @@ def tiny_engine():
     engine = Engine(model="random:tiny", device="cpu", telemetry=False, kv_cache_mb=16)
     yield engine
     engine.close()
+
+
+POISON_TEMPERATURE = 0.777    # requests at this temperature get NaN logits under `poisoned_sampling`
+
+
+@pytest.fixture
+def poisoned_sampling(monkeypatch) -> float:
+    """An engine fault for one kind of request: rows sampled at POISON_TEMPERATURE get NaN logits
+    (what a numerically broken request would give). Returns that temperature."""
+    from pdchat.engine import engine as engine_module
+    from pdchat.engine.sampler import sample
+
+    def poisoned(logits, params, generators):
+        logits = logits.clone()
+        for row, p in enumerate(params):
+            if p.temperature == POISON_TEMPERATURE:
+                logits[row] = float("nan")
+        return sample(logits, params, generators)
+
+    monkeypatch.setattr(engine_module, "sample", poisoned)
+    return POISON_TEMPERATURE

@@ -299,7 +299,7 @@ def write_report(version: str, wall_s: float | None, min_rate: float) -> int:
         unexplained += e is None
         rows.append((name, status(results[name]), diff, e))
 
-    out = [f"# Mutation testing report\n",
+    out = ["# Mutation testing report\n",
            f"- tool: mutmut {version} (`make mutation`, tools/mutation.py), one worker",
            f"- modules: {', '.join(MODULES)}",
            f"- tests: {', '.join(Path(t).name for t in TESTS)} (`-k \"{DESELECT}\"`)",

@@ -27,6 +27,24 @@ def engine():
     eng.close()
 
 
+@pytest.fixture(scope="module")
+def server(engine):
+    """`pdchat serve`'s app over the module's engine on loopback: (base URL, the Server)."""
+    from pdchat.chatapp.serve.app import create_app
+
+    from .loopback import running
+    app = create_app(engine)
+    with running(app) as url:
+        yield url, app.state.server
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    import httpx
+    with httpx.Client(base_url=server[0], timeout=30) as client:
+        yield client
+
+
 @pytest.fixture
 def make_app(tmp_path):
     made = []

@@ -182,25 +182,16 @@ def test_closing_the_terminal_ends_the_app_and_keeps_the_reply(launch, tmp_path,
         assert term.exit_code() == EXIT_CODE
 
 
-def test_sighup_with_the_terminal_still_there_ends_the_app_the_same_way(launch, tmp_path):
+@pytest.mark.parametrize("sig, code", [(signal.SIGHUP, EXIT_CODE), (signal.SIGTERM, 128 + signal.SIGTERM)],
+                         ids=["SIGHUP with the terminal still there", "SIGTERM"])
+def test_a_signal_to_end_ends_the_app_and_keeps_the_reply(launch, tmp_path, sig, code):
     term, pid = launch("direct")
     term.wait_for(b"fake-model ready")
     term.type(b"count\r")
     term.wait_for(b"three")
-    os.kill(pid, signal.SIGHUP)
+    os.kill(pid, sig)
     assert ends_within(term, pid, EXIT_S)
-    assert term.exit_code() == EXIT_CODE
-    assert stored_replies(tmp_path) == [("one two three", "interrupted")]
-
-
-def test_sigterm_ends_the_app_and_keeps_the_reply(launch, tmp_path):
-    term, pid = launch("direct")
-    term.wait_for(b"fake-model ready")
-    term.type(b"count\r")
-    term.wait_for(b"three")
-    os.kill(pid, signal.SIGTERM)
-    assert ends_within(term, pid, EXIT_S)
-    assert term.exit_code() == 128 + signal.SIGTERM
+    assert term.exit_code() == code
     assert stored_replies(tmp_path) == [("one two three", "interrupted")]
 
 
@@ -209,7 +200,6 @@ def test_closing_the_terminal_during_a_stalled_model_load_ends_the_app(launch):
     term.wait_for(b"downloading stuck")
     term.hang_up()
     assert ends_within(term, pid, EXIT_S), "the app waited for the model load"
-
 
 
 def test_closing_the_terminal_during_a_lab_run_ends_the_app(launch):

@@ -24,19 +24,6 @@ LONG = {"max_tokens": 4000, "ignore_eos": True}      # runs for seconds unless c
 
 
 @pytest.fixture(scope="module")
-def server(engine):
-    app = create_app(engine)
-    with running(app) as url:
-        yield url, app.state.server
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server[0], timeout=30) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
 

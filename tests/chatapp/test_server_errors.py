@@ -3,54 +3,35 @@ stream, a final error event), a request cut by the engine shutting down is a 503
 from __future__ import annotations
 
 import json
-import math
 import threading
 
 import httpx
-import pytest
 
 from pdchat.chatapp.serve.app import create_app
 from pdchat.engine import Engine
-from pdchat.engine import engine as engine_module
-from pdchat.engine.sampler import sample
 
 from .loopback import MODEL, running, wait_until
 
 CHAT = "/v1/chat/completions"
-POISON = 0.777               # requests at this temperature get non-finite logits (an engine fault)
-
-
-@pytest.fixture
-def poisoned(monkeypatch):
-    def poisoned_sample(logits, params, generators):
-        logits = logits.clone()
-        for row, p in enumerate(params):
-            if p.temperature == POISON:
-                logits[row] = math.nan
-        return sample(logits, params, generators)
-
-    monkeypatch.setattr(engine_module, "sample", poisoned_sample)
 
 
 def ask(**kw) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, **kw}
 
 
-def test_an_engine_fault_is_a_500_and_others_are_served(engine, poisoned):
-    with running(create_app(engine)) as url, httpx.Client(base_url=url, timeout=30) as http:
-        r = http.post(CHAT, json=ask(temperature=POISON))
-        assert r.status_code == 500
-        err = r.json()["error"]
-        assert err["type"] == "server_error" and "non-finite" in err["message"]
-        ok = http.post(CHAT, json=ask(temperature=0))
-        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+def test_an_engine_fault_is_a_500_and_others_are_served(http, poisoned_sampling):
+    r = http.post(CHAT, json=ask(temperature=poisoned_sampling))
+    assert r.status_code == 500
+    err = r.json()["error"]
+    assert err["type"] == "server_error" and "non-finite" in err["message"]
+    ok = http.post(CHAT, json=ask(temperature=0))
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
 
 
-def test_an_engine_fault_mid_stream_ends_the_stream_with_an_error_event(engine, poisoned):
-    with running(create_app(engine)) as url, httpx.Client(base_url=url, timeout=30) as http:
-        with http.stream("POST", CHAT, json=ask(temperature=POISON, stream=True)) as r:
-            assert r.status_code == 200                 # the stream had begun: the error is its last event
-            events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+def test_an_engine_fault_mid_stream_ends_the_stream_with_an_error_event(http, poisoned_sampling):
+    with http.stream("POST", CHAT, json=ask(temperature=poisoned_sampling, stream=True)) as r:
+        assert r.status_code == 200                     # the stream had begun: the error is its last event
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     err = json.loads(events[-2])["error"]
     assert err["type"] == "server_error" and "non-finite" in err["message"]

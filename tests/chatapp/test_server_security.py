@@ -31,19 +31,6 @@ def error_of(r: httpx.Response, status: int) -> dict:
     return r.json()["error"]
 
 
-@pytest.fixture(scope="module")
-def server(engine):
-    app = create_app(engine)
-    with running(app) as url:
-        yield url, app.state.server
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server[0], timeout=30) as client:
-        yield client
-
-
 # ---- web pages: content type, Host, Origin ---------------------------------------------------
 
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])

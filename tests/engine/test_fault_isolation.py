@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from pdchat.engine import Engine, InvalidRequest, SamplingFailed, SamplingParams
-from pdchat.engine import engine as engine_module
 from pdchat.engine.detokenizer import TextOutput
 from pdchat.engine.sampler import NO_TOKEN, sample
 from pdchat.engine.spec import Draft, verify
@@ -20,7 +19,6 @@ from pdchat.engine.sequence import Sequence
 
 VICTIM = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 PROMPTS = ["the first victim", "a second victim here", "and the third"]
-POISON_TEMPERATURE = 0.777           # marks the request whose logits the test corrupts
 
 
 @pytest.fixture(scope="module")
@@ -54,16 +52,8 @@ def test_a_tiny_temperature_is_greedy_and_harms_no_one(engine, solo):
     assert bad.text == engine.submit("the bad request", VICTIM).result().text
 
 
-def test_non_finite_logits_fail_only_their_request(engine, solo, monkeypatch):
-    def poisoned(logits, params, generators):
-        logits = logits.clone()
-        for row, p in enumerate(params):
-            if p.temperature == POISON_TEMPERATURE:
-                logits[row] = math.nan
-        return sample(logits, params, generators)
-
-    monkeypatch.setattr(engine_module, "sample", poisoned)
-    victims, bad = run_with(engine, SamplingParams(max_tokens=24, temperature=POISON_TEMPERATURE, ignore_eos=True))
+def test_non_finite_logits_fail_only_their_request(engine, solo, poisoned_sampling):
+    victims, bad = run_with(engine, SamplingParams(max_tokens=24, temperature=poisoned_sampling, ignore_eos=True))
     assert_untouched(engine, victims, solo)
     assert bad.finish_reason == "error"
     assert isinstance(bad.exception, SamplingFailed) and "non-finite" in bad.error

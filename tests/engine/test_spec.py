@@ -247,7 +247,6 @@ def test_adaptive_k_defaults_and_boundaries():
     assert s.spec_off and low.next_k(s) == 0
 
 
-
 def test_verify_draws_its_tokens_from_the_request_generator():
     # A seeded request must get the same tokens from verify as from its own generator: the bonus
     # token (no draft) and the residual after a certain rejection (draft token has p = 0).
