@@ -2,7 +2,7 @@
 
 The UI only knows this module: a Backend loads a model, streams a reply as a Generation (a
 thread-safe iterator of Phase / Token / Done events that can be cancelled), reports an engine
-snapshot (a dict with the stable metric names of ARCHITECTURE.md, None = cannot be measured),
+snapshot (a dict with the stable metric names of engine/metrics.py, None = cannot be measured),
 and takes runtime toggles. LocalBackend wraps pdchat.engine (imported lazily); FakeBackend is
 scripted for tests. No torch import here or in any UI module.
 """

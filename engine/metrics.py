@@ -1,4 +1,5 @@
-"""Per-request metrics and the engine snapshot, with the stable names of ARCHITECTURE.md.
+"""Per-request metrics and the engine snapshot, under the stable names that the UI, `--json`
+and the server's /metrics share.
 
 A value that cannot be measured is None (JSON null, shown as "n/a"), never a made-up number.
 """

@@ -1,6 +1,6 @@
 """Resolve a model spec to files on disk, fetching and converting once.
 
-Specs (ARCHITECTURE.md): `smollm2-135m` (the default), a hub id, a local Hugging Face directory,
+Specs: `smollm2-135m` (the default), a hub id, a local Hugging Face directory,
 a `.gguf` file, or `random:<preset>`. GGUF files are converted once to a native folder
 (config.json + model.safetensors + tokenizer) under the cache dir, so later starts are fast.
 """
