@@ -109,3 +109,27 @@ async def test_old_model_closes_only_after_its_running_reply(make_app):
         assert old.closed
         reply = app.store.messages(app.chat.conv_id)[-1]
         assert (reply.content, reply.status) == ("one two three", "done")
+
+
+def test_a_switched_model_gets_the_toggles_as_they_are_now(monkeypatch):
+    """run_app's factory builds the next backend from the toggles the user has now, not those of
+    the start, and keeps the command line's other engine flags."""
+    from pdchat.chatapp import app as app_module
+    from pdchat.chatapp.backend import Toggles
+    made = {}
+
+    class RecordingApp:
+        def __init__(self, backend, store, *, toggles, backend_factory, **kw):
+            self.backend, self.toggles, self.factory, self.return_code = backend, toggles, backend_factory, 0
+
+        def run(self):
+            self.toggles = Toggles.from_dict({**self.toggles.to_dict(), "kv_cache": False, "chunk_size": 64,
+                                              "spec": "ngram"})
+            made["next"] = self.factory("random:tiny-qwen2")
+
+    monkeypatch.setattr(app_module, "PdchatApp", RecordingApp)
+    assert app_module.run_app({"model": "random:tiny", "threads": 1}, {}) == 0
+    nxt = made["next"]
+    assert nxt.model == "random:tiny-qwen2"
+    assert {k: nxt.engine_options[k] for k in ("kv_cache", "chunk_size", "spec", "threads")} == \
+        {"kv_cache": False, "chunk_size": 64, "spec": "ngram", "threads": 1}
