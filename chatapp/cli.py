@@ -147,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("model", nargs="?", default=argparse.SUPPRESS, help="default: smollm2-135m")
     sub.add_parser("models", help="list cached models")
     sub.add_parser("info", help="versions, device, GPU, data/config/cache paths")
+    _add_bench(sub, shared)
+    _add_serve(sub, shared)
+    return parser
+
+
+def _add_bench(sub: Any, shared: argparse.ArgumentParser) -> None:
     bench = sub.add_parser("bench", parents=[shared], help="measure: lab | toggles | baseline | spec | serve")
     bench.add_argument("suite", help="lab (the claims, with curves and verdicts) | toggles | baseline | spec | serve")
     bench.add_argument("--json", action="store_true", help="print machine-readable results")
@@ -159,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--prompt-words", type=_positive_int, default=64, help="words per prompt (default 64)")
     load.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens (vLLM, SGLang, llama.cpp, pdchat)")
     load.add_argument("--endpoint", choices=["chat", "completions"], default="chat", help="which API to load")
+
+
+def _add_serve(sub: Any, shared: argparse.ArgumentParser) -> None:
     serve = sub.add_parser(
         "serve", parents=[shared], help="OpenAI-compatible HTTP server (127.0.0.1 by default)",
         description="Serve the model over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), "
@@ -200,7 +209,6 @@ def build_parser() -> argparse.ArgumentParser:
                              f"connections are closed or get HTTP 408 (default {limits.read_timeout_s:g})")
     bounds.add_argument("--max-connections", metavar="N", type=_positive_int, default=limits.max_connections,
                         help=f"open connections at most; more get HTTP 503 (default {limits.max_connections})")
-    return parser
 
 
 def given(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any]:

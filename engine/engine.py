@@ -394,8 +394,8 @@ class Engine:
             draft = drafts.get(idx)
             decode_tokens += len(draft.tokens) if draft else 0
             try:
-                self._postprocess(item, draft, logits[starts[idx]:starts[idx + 1]], sampled.get(idx), now,
-                                  rollback=idx in candidates)
+                rows = logits[starts[idx]:starts[idx + 1]] if draft else None    # a verify's rows only
+                self._postprocess(item, draft, rows, sampled.get(idx), now, rollback=idx in candidates)
             except Exception as e:
                 self._fail([item.seq], e)
         step_s = time.perf_counter() - t0
@@ -451,7 +451,7 @@ class Engine:
         self.adaptive.update(seq, len(draft.tokens), accepted)
         return tokens
 
-    def _postprocess(self, item: ScheduledSeq, draft: Draft | None, logits: torch.Tensor,
+    def _postprocess(self, item: ScheduledSeq, draft: Draft | None, logits: torch.Tensor | None,
                      sampled: list[int] | None, now: float, rollback: bool) -> None:
         """After the forward, for one item: its computed count, the verify of its draft, block
         commits, its new tokens, and the release of blocks that held rejected drafts."""

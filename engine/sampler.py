@@ -70,7 +70,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         probs = target_probs(logits, params)
         ok = usable(probs)
     out = probs.argmax(-1).masked_fill(~ok, NO_TOKEN)
-    for i, (p, g) in enumerate(zip(params, generators)):
-        if not p.greedy and bool(ok[i]):
+    for i, (p, g, row_ok) in enumerate(zip(params, generators, ok.tolist())):
+        if not p.greedy and row_ok:
             out[i] = torch.multinomial(probs[i], 1, generator=g)[0]
     return out

@@ -274,31 +274,35 @@ def explain(name: str, diff: str, explanations: list[dict]) -> dict | None:
     return None
 
 
-def write_report(version: str, wall_s: float | None, min_rate: float) -> int:
-    results = load_results()
+def rate(c: Counter) -> float:
+    """Kill rate over the checked mutants (a partial, interrupted run leaves some unchecked)."""
+    n = sum(c.values()) - c["not checked"]
+    return 100.0 * (c["killed"] + c["timeout"]) / n if n else 0.0
+
+
+def tally(results: dict[str, int]) -> dict[str, Counter]:
+    """Mutant outcomes per module."""
     mods = {m: Counter() for m in MODULES.values()}
     for name, code in results.items():
         mod = next(m for m in MODULES.values() if name.startswith(m + "."))
         mods[mod][status(code)] += 1
-    total = Counter()
-    for c in mods.values():
-        total.update(c)
+    return mods
 
-    def rate(c: Counter) -> float:
-        n = sum(c.values()) - c["not checked"]          # a partial (interrupted) run: checked ones
-        return 100.0 * (c["killed"] + c["timeout"]) / n if n else 0.0
 
+def survivor_rows(results: dict[str, int]) -> list[tuple[str, str, str, dict | None]]:
+    """(name, status, diff, explanation or None) of every surviving mutant, in source order."""
     explanations = load_explanations()
     survivors = sorted((n for n, code in results.items() if status(code) not in ("killed", "timeout", "not checked")),
                        key=lambda n: (module_of(n), function_of(n), int(n.rsplit("_", 1)[-1])))
     rows = []
-    unexplained = 0
     for name in survivors:
         diff = diff_of(name)
-        e = explain(name, diff, explanations)
-        unexplained += e is None
-        rows.append((name, status(results[name]), diff, e))
+        rows.append((name, status(results[name]), diff, explain(name, diff, explanations)))
+    return rows
 
+
+def summary_lines(version: str, wall_s: float | None, mods: dict[str, Counter], total: Counter,
+                  rows: list) -> list[str]:
     out = ["# Mutation testing report\n",
            f"- tool: mutmut {version} (`make mutation`, tools/mutation.py), one worker",
            f"- modules: {', '.join(MODULES)}",
@@ -325,8 +329,11 @@ def write_report(version: str, wall_s: float | None, min_rate: float) -> int:
     if total["not checked"]:
         out += ["", f"**PARTIAL RUN**: {total['not checked']} mutants were not checked (the run was "
                 "stopped); the rate is over the checked ones."]
-    out += ["",
-            f"## Survivors ({len(rows)}, {unexplained} unexplained)", ""]
+    return out
+
+
+def survivor_lines(rows: list, unexplained: int) -> list[str]:
+    out = ["", f"## Survivors ({len(rows)}, {unexplained} unexplained)", ""]
     for name, st, diff, e in rows:
         out.append(f"### `{name}` ({st})")
         out.append("```diff\n" + diff + "\n```")
@@ -335,9 +342,20 @@ def write_report(version: str, wall_s: float | None, min_rate: float) -> int:
         else:
             out.append(f"**{e['kind']}**: {e['why'].strip()}")
         out.append("")
+    return out
+
+
+def write_report(version: str, wall_s: float | None, min_rate: float) -> int:
+    """Write the report; 0 when the rate is met, every survivor explained and every mutant checked."""
+    results = load_results()
+    mods = tally(results)
+    total = sum(mods.values(), Counter())
+    rows = survivor_rows(results)
+    unexplained = sum(e is None for *_, e in rows)
+    summary = summary_lines(version, wall_s, mods, total, rows)
     WORK.mkdir(parents=True, exist_ok=True)
-    REPORT.write_text("\n".join(out) + "\n")
-    print("\n".join(out[:16 + len(MODULES)]))
+    REPORT.write_text("\n".join(summary + survivor_lines(rows, unexplained)) + "\n")
+    print("\n".join(summary))
     print(f"\nreport: {REPORT.relative_to(ROOT)}")
     ok = rate(total) >= min_rate and unexplained == 0 and not total["not checked"]
     if not ok:

@@ -168,8 +168,7 @@ class ChatActions:
         live = self.live.pop(self.conv_id, None)
         if live is not None:
             live.generation.cancel()
-            if not self.live:
-                self.app.close_retired()
+            self.app.close_retired()
         conv = self.store.conversation(self.conv_id)
         self.store.delete_conversation(self.conv_id)
         self.notify(f"Deleted “{conv.title if conv else ''}”.")

@@ -257,8 +257,7 @@ class ChatScreen(ChatActions, Screen):
             await view.finish(text, status, metrics)
             if view is self.stream_view:
                 self.stream_view = None
-        if not self.live:
-            self.app.close_retired()
+        self.app.close_retired()
         if done.error:
             self.notify(f"Generation failed: {done.error}", severity="error")
         if self.compare_restore is not None and live.conversation_id == self.compare_restore.get("conv"):
