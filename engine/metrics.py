@@ -6,8 +6,14 @@ A value that cannot be measured is None (JSON null, shown as "n/a"), never a mad
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from .sequence import Sequence
+from .telemetry import achieved_bandwidth, peak_bandwidth
+
+if TYPE_CHECKING:                      # only for the annotation: engine.py imports this module
+    from .engine import Engine
+    from .scheduler import StepPlan
 
 
 def _ms(a: float | None, b: float | None) -> float | None:
@@ -109,3 +115,47 @@ class EngineStats:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+class StepMeter:
+    """The last step's time and tokens, and the memory bandwidth a decode-only step implies
+    (every weight and the K/V attended over, read once)."""
+
+    def __init__(self, kv_bytes_per_token: int):
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.step_ms: float | None = None
+        self.prefill_tokens = 0
+        self.decode_tokens = 0                 # draft tokens verified included
+        self.bandwidth: float | None = None    # bytes/s, from the last decode-only step
+
+    def record(self, plan: "StepPlan", draft_tokens: int, step_s: float, weight_read_bytes: int) -> None:
+        self.step_ms = step_s * 1000
+        self.prefill_tokens = plan.num_prefill_tokens
+        self.decode_tokens = plan.num_decode_tokens + draft_tokens
+        if not plan.num_prefill_tokens:
+            kv_read = sum(len(i.seq.token_ids) for i in plan.items) * self.kv_bytes_per_token
+            self.bandwidth = achieved_bandwidth(weight_read_bytes, kv_read, 1 / step_s)
+
+
+def collect_stats(engine: "Engine") -> EngineStats:
+    """The engine's snapshot: pool, queues, last step, settings in force and device telemetry."""
+    b, cfg, meter = engine.blocks, engine.config, engine.meter
+    bpt, bs = engine.kv_bytes_per_token, b.block_size
+    st = EngineStats(
+        model=cfg.model, kv_block_size=bs, kv_blocks_total=b.num_blocks, kv_blocks_used=b.num_used,
+        kv_blocks_cached=b.num_cached_free, kv_bytes_per_token=bpt, kv_bytes_used=b.num_used * bs * bpt,
+        kv_bytes_total=b.num_blocks * bs * bpt, running=len(engine.scheduler.running),
+        waiting=len(engine.scheduler.waiting), step_ms=meter.step_ms, step_prefill_tokens=meter.prefill_tokens,
+        step_decode_tokens=meter.decode_tokens, prefix_hit_rate=b.hit_rate, device=str(engine.device),
+        weight_bytes=engine.precision.read_bytes, quant=cfg.quant, kernels=engine.ops.name,
+        prefix_cache=cfg.prefix_cache, kv_cache=cfg.kv_cache, chunk_size=cfg.chunk_size,
+        max_num_seqs=cfg.max_num_seqs, spec=cfg.spec, spec_tokens=cfg.spec_tokens,
+        achieved_bandwidth=meter.bandwidth,
+    )
+    if engine.monitor is not None:
+        snap = engine.monitor.snapshot()
+        for name in ("device_name", "device_util_pct", "device_mem_used", "device_mem_total",
+                     "device_power_w", "cpu_util_pct", "rss_bytes"):
+            setattr(st, name, getattr(snap, name))
+        st.peak_bandwidth = peak_bandwidth(snap.device_name) if engine.device.type == "cuda" else None
+    return st

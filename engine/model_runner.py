@@ -7,6 +7,7 @@ import torch
 
 from .model import AttentionBatch, Transformer
 from .model_config import ModelConfig
+from .scheduler import ScheduledSeq
 from .sequence import Sequence
 
 
@@ -23,6 +24,16 @@ class Work:
         return cls(seq.token_ids[start:start + num_tokens], start, seq.block_table)
 
 
+@dataclass
+class StepLogits:
+    """A step's logits: only the rows that sample, item i's rows from starts[i] to starts[i + 1]."""
+    logits: torch.Tensor
+    starts: list[int]
+
+    def rows(self, idx: int) -> torch.Tensor:
+        return self.logits[self.starts[idx]:self.starts[idx + 1]]
+
+
 class ModelRunner:
     def __init__(self, model: Transformer, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
                  num_blocks: int, block_size: int):
@@ -37,6 +48,24 @@ class ModelRunner:
     @property
     def kv_bytes_total(self) -> int:
         return 2 * self.k_cache.numel() * self.k_cache.element_size()
+
+    def run_step(self, items: list[ScheduledSeq], drafts: dict[int, list[int]]) -> StepLogits:
+        """The step's one forward: each item's scheduled tokens, plus its draft tokens (by item
+        index) when it verifies; logits for the last row of an item that samples, every row of a
+        verify."""
+        work, rows = [], []
+        for idx, item in enumerate(items):
+            w = Work.of(item.seq, item.num_tokens)
+            if idx in drafts:                      # verify: the last token plus k draft tokens
+                w.tokens = w.tokens + drafts[idx]
+                rows.append(list(range(len(w.tokens))))
+            else:
+                rows.append([item.num_tokens - 1] if item.samples else [])
+            work.append(w)
+        starts = [0]
+        for r in rows:
+            starts.append(starts[-1] + len(r))
+        return StepLogits(self.forward(work, rows), starts)
 
     @torch.inference_mode()
     def forward(self, items: list[Work], rows: list[list[int]]) -> torch.Tensor:

@@ -69,61 +69,57 @@ class Scheduler:
         self.blocks.free_seq(seq)
 
     def schedule(self) -> StepPlan:
+        """This step's work: running sequences first (decodes before unfinished prefills, each
+        given the blocks it needs, preempting the latest admitted when the pool is full), then
+        waiting ones admitted while the batch, the budget and the pool allow."""
         # The budget exists to keep running streams smooth: with no decode to protect, a prompt
         # goes in one piece (on CPU every extra step re-reads all the weights).
         decoding = any(s.t_first_token is not None for s in self.running)
-        budget = self.chunk_size if (self.chunk_size and self.kv_cache and decoding) else None
-        plan: list[ScheduledSeq] = []
-        failed: list[Sequence] = []
-        preempted = False
+        step = _PlanBuilder(self.chunk_size if (self.chunk_size and self.kv_cache and decoding) else None)
+        self._schedule_running(step)
+        self._admit_waiting(step)
+        return StepPlan(step.items, step.failed)
 
-        def take(seq: Sequence) -> int:
-            n = seq.num_uncomputed
-            return n if budget is None else min(n, max(budget, 1))
-
+    def _schedule_running(self, step: "_PlanBuilder") -> None:
         for seq in sorted(self.running, key=lambda s: s.num_uncomputed > 1):
             if seq.status is not Status.RUNNING:          # preempted earlier in this loop
                 continue
             if not self.kv_cache:
                 seq.num_computed_tokens = 0
-            if budget is not None and budget <= 0 and seq.num_uncomputed > 1:
+            if step.spent and seq.num_uncomputed > 1:
                 continue                                   # unfinished prefill waits a step
-            n = take(seq)
+            n = step.take(seq)
             while not self.blocks.ensure_capacity(seq, seq.num_computed_tokens + n):
                 victim = max((s for s in self.running), key=lambda s: s.admitted_order)
                 if victim is seq and len(self.running) == 1:
                     # Alone and still out of blocks: the pool cannot hold this sequence.
                     self.running.remove(seq)
                     self.blocks.free_seq(seq)
-                    failed.append(seq)
+                    step.failed.append(seq)
                     break
                 self._preempt(victim)
-                preempted = True
-                for item in [i for i in plan if i.seq is victim]:   # already planned: unplan it
-                    plan.remove(item)
-                    if budget is not None:
-                        budget += item.num_tokens
+                step.preempted = True
+                step.unplan(victim)
                 if victim is seq:
                     break
-            if seq.status is Status.RUNNING and seq not in failed:
-                plan.append(ScheduledSeq(seq, n))
-                if budget is not None:
-                    budget -= n
+            if seq.status is Status.RUNNING and seq not in step.failed:
+                step.add(seq, n)
 
-        while self.waiting and not preempted and len(self.running) < self.max_num_seqs:
-            if budget is not None and budget <= 0:
+    def _admit_waiting(self, step: "_PlanBuilder") -> None:
+        while self.waiting and not step.preempted and len(self.running) < self.max_num_seqs:
+            if step.spent:
                 break
             seq = self.waiting[0]
             first_admission = seq.num_cached_prompt_tokens is None
             hit = self.blocks.match_prefix(seq) if self.kv_cache else 0
             seq.num_computed_tokens = hit
-            n = take(seq)
+            n = step.take(seq)
             if not self.blocks.ensure_capacity(seq, seq.num_computed_tokens + n):
                 self.blocks.free_seq(seq)
                 seq.num_computed_tokens = 0
-                if not self.running and not plan:
+                if not self.running and not step.items:
                     self.waiting.popleft()
-                    failed.append(seq)
+                    step.failed.append(seq)
                     continue
                 break
             self.waiting.popleft()
@@ -135,10 +131,7 @@ class Scheduler:
             seq.status = Status.RUNNING
             seq.admitted_order = next(self._admissions)
             self.running.append(seq)
-            plan.append(ScheduledSeq(seq, n))
-            if budget is not None:
-                budget -= n
-        return StepPlan(plan, failed)
+            step.add(seq, n)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -147,3 +140,36 @@ class Scheduler:
         seq.status = Status.WAITING
         seq.preemptions += 1
         self.waiting.appendleft(seq)
+
+
+class _PlanBuilder:
+    """A step's plan while it is being built: the items, the failed, and the token budget left
+    (None: no budget, each prefill in one piece)."""
+
+    def __init__(self, budget: int | None):
+        self.budget = budget
+        self.items: list[ScheduledSeq] = []
+        self.failed: list[Sequence] = []
+        # After a preemption nothing new is admitted this step.
+        self.preempted = False
+
+    @property
+    def spent(self) -> bool:
+        return self.budget is not None and self.budget <= 0
+
+    def take(self, seq: Sequence) -> int:
+        """How many of seq's uncomputed tokens go in: all, or what the budget leaves (at least one)."""
+        n = seq.num_uncomputed
+        return n if self.budget is None else min(n, max(self.budget, 1))
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.items.append(ScheduledSeq(seq, n))
+        if self.budget is not None:
+            self.budget -= n
+
+    def unplan(self, seq: Sequence) -> None:
+        """A sequence preempted after it was planned leaves the plan and gives its tokens back."""
+        for item in [i for i in self.items if i.seq is seq]:
+            self.items.remove(item)
+            if self.budget is not None:
+                self.budget += item.num_tokens

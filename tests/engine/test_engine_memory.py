@@ -67,5 +67,8 @@ def test_closed_engines_give_their_memory_back(options):
                           cwd=Path(__file__).parents[2])
     assert proc.returncode == 0, proc.stderr[-2000:]
     size, after = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert max(after) < size / 4, (f"after each load/close the process had grown by "
+    # Without the release each cycle keeps a whole model (4 cycles: 4 x size). With it, glibc's
+    # heap still holds on to one vocabulary-sized hole now and then (0-32 MB seen on 1 of 4 runs,
+    # before and after the engine was split), so the bound is half a model, not a quarter.
+    assert max(after) < size / 2, (f"after each load/close the process had grown by "
                                    f"{[round(a / 2**20) for a in after]} MB (one model: {size / 2**20:.0f} MB)")

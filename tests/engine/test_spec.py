@@ -43,7 +43,7 @@ def test_greedy_tokens_identical_alone_and_batched(spec, draft):
         assert drafted > 0 and 0 < accepted <= drafted
         if draft == "random:tiny":
             assert accepted == drafted
-        assert alone[0].metrics.spec_method == engine.proposer.name
+        assert alone[0].metrics.spec_method == engine.speculative.proposer.name
         assert engine.stats().kv_blocks_used == 0
 
 

@@ -1,0 +1,66 @@
+"""What the engine takes from the machine at start-up: a kernel backend, a KV pool size, a prefill
+chunk size. Pure choices from the config and the device; the Engine calls them once (the chunk
+also when it is changed at run time)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from pdchat import kernels
+from pdchat.kernels.cpu import KernelsUnavailable
+
+from .config import EngineConfig
+from .errors import InvalidRequest, KVCacheTooSmall
+from .paths import cache_dir
+
+CPU_KV_MB = 512
+# Default prefill chunk sizes. CPU: the largest size whose worst stall of a running stream stays
+# within 5x its TPOT in `pdchat bench toggles` (2026-11-22, 2-core EPYC: 32 -> 3.7x, 64 -> 6.0x).
+# GPU: a common serving default, not yet measured here (no GPU was at hand).
+CPU_CHUNK = 32
+GPU_CHUNK = 512
+
+
+def chunk_for(chunk_size: int | None | str, device: torch.device) -> int | None:
+    """The prefill chunk in tokens: "auto" becomes the device's default; None is no chunking."""
+    if chunk_size == "auto":
+        return GPU_CHUNK if device.type == "cuda" else CPU_CHUNK
+    return chunk_size
+
+
+def kv_pool_blocks(cfg: EngineConfig, device: torch.device, bytes_per_token: int, max_model_len: int) -> int:
+    """Blocks in the KV pool: an exact count, else a byte budget (set, or the device's default)
+    divided by a block's bytes, never more than max_num_seqs full-length requests can use."""
+    per_block = bytes_per_token * cfg.block_size
+    if cfg.num_kv_blocks is not None:
+        return cfg.num_kv_blocks
+    if cfg.kv_cache_mb is not None:
+        budget = int(cfg.kv_cache_mb * 2**20)
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * cfg.gpu_memory_fraction)
+    else:
+        budget = CPU_KV_MB * 2**20
+    useful = cfg.max_num_seqs * (-(-max_model_len // cfg.block_size))   # more is never used
+    blocks = min(budget // per_block, useful)
+    if blocks < 1:
+        raise KVCacheTooSmall(f"a KV budget of {budget / 2**20:.1f} MB holds no block of "
+                              f"{per_block / 2**20:.2f} MB")
+    return int(blocks)
+
+
+def kernel_backend(name: str, device: torch.device, dtype: torch.dtype, notices: list[str]) -> SimpleNamespace:
+    """The kernel backend; an automatic choice that cannot be built falls back to PyTorch's ops
+    with a notice, an explicit one is an error."""
+    chosen = name
+    try:
+        chosen = kernels.choose(name, device.type, dtype == torch.float32)
+        return kernels.load(chosen, cache_dir())
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
+    except (ImportError, KernelsUnavailable) as e:
+        if name != "auto":
+            raise InvalidRequest(f"{chosen} kernels unavailable: {e}") from None
+        notices.append(f"{chosen} kernels unavailable ({e}); running PyTorch's ops")
+        return kernels.load("torch")

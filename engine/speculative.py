@@ -1,0 +1,124 @@
+"""The engine's speculative decoder: which proposer drafts (off, n-gram, a draft model, or the
+target's own int8 weights), the draft model and its KV pool, proposing for a step's decodes with
+blocks reserved, verifying a draft against the target's logits, and the adaptive draft length.
+
+The algorithms (proposers, rejection sampling) are in spec.py; this module is their lifecycle.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .block_manager import BlockManager
+from .errors import InvalidRequest
+from .loader import LoadedModel, load
+from .model_runner import ModelRunner
+from .model_source import resolve
+from .precision import WeightPrecision
+from .scheduler import ScheduledSeq
+from .sequence import Sequence
+from .spec import AdaptiveK, Draft, DraftProposer, NgramProposer, Proposer, verify
+
+MODES = ("off", "ngram", "draft")
+
+
+class SpeculativeDecoder:
+    def __init__(self, target: LoadedModel, precision: WeightPrecision, *, target_name: str, spec_tokens: int,
+                 draft_model: str | None, load_draft_now: bool, seed: int, say: Callable[[str], None]):
+        self.target = target
+        self.target_name = target_name
+        self.precision = precision
+        self.draft_model = draft_model
+        self.adaptive = AdaptiveK(spec_tokens)
+        self.proposer: Proposer | None = None
+        self.mode = "off"
+        self._runner: ModelRunner | None = None
+        # A separate draft model is loaded with the target, so the KV pool is sized for both.
+        self._draft = self._load_draft(seed, say) if load_draft_now else None
+
+    def _load_draft(self, seed: int, say: Callable[[str], None]) -> LoadedModel | None:
+        spec = self.draft_model
+        if spec in (None, "self"):
+            return None                            # self-draft: the target's own int8 weights
+        draft = load(resolve(spec, say), self.precision.device, self.precision.dtype, seed=seed,
+                     ops=self.target.quant.ops)
+        if draft.tokenizer.get_vocab() != self.target.tokenizer.get_vocab():
+            raise InvalidRequest(f"draft model {spec!r} has a different tokenizer from {self.target_name!r}")
+        return draft
+
+    def kv_bytes_per_token(self, mode: str) -> int:
+        """The draft's K/V bytes per token when `mode` drafts with a model (for sizing the pool)."""
+        if mode != "draft":
+            return 0
+        cfg = self._draft.config if self._draft is not None else self.target.config
+        return cfg.kv_bytes_per_token(self.precision.dtype)
+
+    def set_mode(self, mode: str, blocks: BlockManager) -> None:
+        """off | ngram | draft. A draft model's KV pool shares the target's block tables, so it has
+        as many blocks as `blocks`."""
+        proposer: Proposer | None = None
+        if mode == "ngram":
+            proposer = NgramProposer()
+        elif mode == "draft":
+            proposer = self._draft_proposer(blocks)
+        self.proposer, self.mode = proposer, mode
+
+    def _draft_proposer(self, blocks: BlockManager) -> DraftProposer:
+        if self._draft is None and not self.precision.ensure_int8():
+            raise InvalidRequest(f"self-draft needs int8 weights, which this torch build lacks on "
+                                 f"{self.precision.device}; pass --draft-model")
+        if self._runner is None:
+            loaded = self._draft or self.target
+            try:
+                self._runner = ModelRunner(loaded.model, loaded.config, self.precision.device,
+                                           self.precision.dtype, blocks.num_blocks, blocks.block_size)
+            except torch.OutOfMemoryError:
+                # The pool was sized without a draft; at start-up it is sized for both.
+                raise InvalidRequest("not enough memory for the draft's KV cache now; "
+                                     "start with --spec draft instead") from None
+        if self._draft is None:
+            return DraftProposer("self-draft", self._runner, int8_switch=self.precision.switch)
+        return DraftProposer(f"draft:{self.draft_model}", self._runner)
+
+    def set_tokens(self, k: int) -> None:
+        """The initial draft length of new requests (each then adapts its own)."""
+        self.adaptive = AdaptiveK(k)
+
+    def propose(self, items: list[ScheduledSeq], blocks: BlockManager,
+                max_model_len: int) -> tuple[dict[int, Draft], list[int]]:
+        """Drafts for this step's running decodes, by item index, with blocks reserved for them;
+        also every index that reserved blocks (a verify may leave them to roll back)."""
+        if self.proposer is None:
+            return {}, []
+        candidates, ks = [], []
+        for idx, item in enumerate(items):
+            seq = item.seq
+            if item.num_tokens != 1 or not item.samples or seq.t_first_token is None:
+                continue
+            room = min(seq.params.max_tokens - seq.num_output_tokens, max_model_len - len(seq.token_ids)) - 1
+            k = min(self.adaptive.next_k(seq), room)
+            if k > 0 and blocks.ensure_capacity(seq, len(seq.token_ids) + k):
+                candidates.append(idx)
+                ks.append(k)
+        if not candidates:
+            return {}, []
+        drafts = self.proposer.propose([items[i].seq for i in candidates], ks)
+        return {i: d for i, d in zip(candidates, drafts) if d.tokens}, candidates
+
+    def verify(self, seq: Sequence, draft: Draft, logits: torch.Tensor,
+               generator: torch.Generator) -> list[int]:
+        """The tokens a verify yields (accepted drafts plus one from the target); counts them."""
+        tokens, accepted = verify(logits, draft, seq, seq.generator or generator)
+        seq.num_computed_tokens += accepted          # accepted drafts' K/V are now valid
+        seq.draft_computed = min(seq.draft_computed, seq.num_computed_tokens)
+        seq.spec_method = self.proposer.name
+        seq.spec_drafted += len(draft.tokens)
+        seq.spec_accepted += accepted
+        seq.spec_steps += 1
+        self.adaptive.update(seq, len(draft.tokens), accepted)
+        return tokens
+
+    def close(self) -> None:
+        """Drop every model and KV pool reference (the engine is closing)."""
+        self.target = self.precision = self._draft = self._runner = self.proposer = None
