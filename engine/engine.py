@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from . import settings
 from .block_manager import BlockManager
 from .config import EngineConfig, SamplingParams
 from .errors import ContextTooLong, EngineClosed, InvalidRequest, KVCacheTooSmall
@@ -38,8 +39,8 @@ from .speculative import SpeculativeDecoder
 from .step_loop import StepLoop
 from .stream import Completion, ProgressEvent, RequestStream
 
-# What update() may change while the engine runs; every other setting is fixed at start-up.
-RUNTIME_SETTINGS = ("prefix_cache", "kv_cache", "chunk_size", "max_num_seqs", "quant", "spec", "spec_tokens")
+# What update() may change while the engine runs (declared in settings.py); the rest is fixed.
+RUNTIME_SETTINGS = settings.RUNTIME
 
 
 def _stderr(msg: str) -> None:

@@ -130,7 +130,12 @@ def library(cache_dir: Path, portable: bool = False) -> ctypes.CDLL:
 
 
 class CpuKernels:
-    """The backend's functions bound to one build of the library."""
+    """The backend's functions bound to one build of the library.
+
+    About 200 lines on purpose: one short method per kernel of the backend interface that
+    reference.py and triton_attention.py also implement (kernels/__init__.py), each checking that
+    its tensors suit the C code and falling back to the reference otherwise; split, the one
+    interface would be scattered over files."""
 
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib

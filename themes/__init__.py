@@ -1,4 +1,4 @@
-"""pdchat's Textual themes and the colour roles shared by every widget.
+"""pdchat's Textual themes, built on the colour roles of palette.py (which needs no Textual).
 
 Roles (CSS variables `$role-<name>` and `roles(app)` in Python):
   prefill  the prompt-processing pause (time to first token)
@@ -11,17 +11,9 @@ from __future__ import annotations
 
 from textual.theme import Theme
 
-ROLE_NAMES = ("prefill", "decode", "cached", "kv", "gpu")
+from pdchat.themes.palette import DEFAULT_ROLES, LIGHT_ROLES, ROLE_NAMES
 
-# Defaults used for any theme (Textual's built-ins included) that does not set its own.
-DEFAULT_ROLES = {
-    "prefill": "#e5a50a",   # amber: waiting on the prompt
-    "decode": "#33d17a",    # green: tokens flowing
-    "cached": "#62a0ea",    # blue: reused work
-    "kv": "#c061cb",        # purple: memory
-    "gpu": "#f66151",       # red: the device
-}
-
+__all__ = ["DEFAULT_ROLES", "DEFAULT_THEME", "ROLE_NAMES", "THEMES", "role_defaults", "roles"]
 
 def _vars(**roles: str) -> dict[str, str]:
     return {f"role-{k}": v for k, v in {**DEFAULT_ROLES, **roles}.items()}
@@ -56,7 +48,7 @@ PDCHAT_LIGHT = Theme(
     warning="#b45309",
     error="#c01c28",
     dark=False,
-    variables=_vars(prefill="#b45309", decode="#15803d", cached="#1d4ed8", kv="#7e22ce", gpu="#c01c28"),
+    variables=_vars(**LIGHT_ROLES),
 )
 
 THEMES = [PDCHAT_DARK, PDCHAT_LIGHT]

@@ -6,7 +6,7 @@ missing; it is no dependency of `make test`).
 What it does:
 
 1. Stages a copy of the project under build/mutation/stage (build/ is gitignored) with the
-   layout the installed package has: pdchat/engine, pdchat/kernels, pdchat/chatapp, pdchat/themes
+   layout the installed package has: pdchat/engine, pdchat/bench, pdchat/kernels, pdchat/chatapp, pdchat/themes
    (+ an empty pdchat/__init__.py), tests/, and pyproject.toml with a [tool.mutmut] section.
    The repository has no pdchat/ folder (setuptools' package-dir maps it), and mutmut needs one.
 2. Runs `mutmut run --max-children 1` there (one worker; OMP/MKL threads 1: it leaves the second
@@ -56,7 +56,7 @@ MODULES = {
     "engine/block_manager.py": "pdchat.engine.block_manager",
     "engine/scheduler.py": "pdchat.engine.scheduler",
 }
-PACKAGES = {"engine": "pdchat/engine", "kernels": "pdchat/kernels", "chatapp": "pdchat/chatapp",
+PACKAGES = {"engine": "pdchat/engine", "bench": "pdchat/bench", "kernels": "pdchat/kernels", "chatapp": "pdchat/chatapp",
             "themes": "pdchat/themes"}
 # Fast, relevant tests. The two tests on the real default model (`default_engine`, 25-30 s each,
 # and a download on a fresh machine) are left out: the random:tiny tests cover the same paths.

@@ -27,17 +27,16 @@ from starlette.types import Receive, Scope, Send
 from pdchat.engine import (Completion, ContextTooLong, Engine, EngineClosed, EngineConfig, InvalidRequest,
                            SamplingParams, TokenEvent)
 
-from . import protocol
-from .auth import Keys
-from .flight import Flight
-from .guard import Guard
-from .last_resort import LastResort
-from .listen import bind, http_server
-from .options import ServeOptions
-from .prometheus import CONTENT_TYPE, ServerMetrics
-from .protocol import APIError, ChatRequest, CompletionRequest, ErrorResponse, Shape
+from pdchat.chatapp.serve import protocol
+from pdchat.chatapp.serve.auth import Keys
+from pdchat.chatapp.serve.flight import Flight
+from pdchat.chatapp.serve.guard import Guard
+from pdchat.chatapp.serve.last_resort import LastResort
+from pdchat.chatapp.serve.listen import bind, http_server
+from pdchat.chatapp.serve.options import DEFAULT_MAX_PENDING, ServeOptions
+from pdchat.chatapp.serve.prometheus import CONTENT_TYPE, ServerMetrics
+from pdchat.chatapp.serve.protocol import APIError, ChatRequest, CompletionRequest, ErrorResponse, Shape
 
-DEFAULT_MAX_PENDING = 256
 # How often a non-streaming request checks whether its client is still there.
 DISCONNECT_POLL_S = 0.25
 # Text runs 3 to 5 characters per token; a prompt with more than this many characters per token

@@ -10,8 +10,8 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from .options import ServeError
-from .protocol import APIError
+from pdchat.chatapp.serve.options import ServeError
+from pdchat.chatapp.serve.protocol import APIError
 
 ENV_VAR = "PDCHAT_API_KEY"          # the name pdchat's own client reads too
 

@@ -18,8 +18,8 @@ from typing import Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .options import Limits
-from .protocol import APIError, ErrorResponse
+from pdchat.chatapp.serve.options import Limits
+from pdchat.chatapp.serve.protocol import APIError, ErrorResponse
 
 
 def host_name(host: str) -> str:

@@ -13,7 +13,7 @@ import logging
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .protocol import APIError, ErrorResponse, sse
+from pdchat.chatapp.serve.protocol import APIError, ErrorResponse, sse
 
 log = logging.getLogger("uvicorn.error")        # where the server's other errors go
 

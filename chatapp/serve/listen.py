@@ -20,8 +20,8 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .options import Limits, ServeError
-from .protocol import APIError, ErrorResponse
+from pdchat.chatapp.serve.options import Limits, ServeError
+from pdchat.chatapp.serve.protocol import APIError, ErrorResponse
 
 BACKLOG = 2048
 # After a shutdown ended the open requests, how long their connections may take to close.

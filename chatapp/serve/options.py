@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Requests admitted at once, running and waiting; more get HTTP 503 (`--max-pending`).
+DEFAULT_MAX_PENDING = 256
+
 
 def comma_list(text: str) -> tuple[str, ...]:
     """'a, b,c' -> ('a', 'b', 'c'): the form of --allowed-hosts and --allowed-origins."""

@@ -21,7 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.responses import JSONResponse
 
-from pdchat.engine.config import SEED_RANGE
+from pdchat.engine import settings
 
 # OpenAI's default for /v1/completions; chat completions default to "until the context is full".
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -90,14 +90,26 @@ class ChatMessage(_Strict):
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
+def _bounds(name: str) -> dict[str, float]:
+    """Pydantic's bounds for a sampling setting, from its declaration (pdchat.engine.settings)."""
+    s = settings.get(name, settings.SAMPLING)
+    out = {}
+    if s.low is not None:
+        out["gt" if s.low_open else "ge"] = s.low
+    if s.high is not None:
+        out["lt" if s.high_open else "le"] = s.high
+    return out
+
+
 class _Sampling(_Strict):
+    # The defaults here are OpenAI's (the API's clients expect them); the bounds are pdchat's.
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int | None = Field(None, **_bounds("max_tokens"))
+    temperature: float = Field(1.0, **_bounds("temperature"))
+    top_p: float = Field(1.0, **_bounds("top_p"))
     top_k: int = Field(0, ge=-1)                  # -1 (vLLM) and 0 both mean off
-    min_p: float = Field(0.0, ge=0, lt=1)
-    seed: int | None = Field(None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
+    min_p: float = Field(0.0, **_bounds("min_p"))
+    seed: int | None = Field(None, **_bounds("seed"))
     stop: str | list[str] | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT_CHARS)
     ignore_eos: bool = False

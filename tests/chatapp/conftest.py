@@ -5,9 +5,9 @@ import contextlib
 
 import pytest
 
-from pdchat.chatapp.app import PdchatApp
-from pdchat.chatapp.fake_backend import FakeBackend
-from pdchat.chatapp.store import Store
+from pdchat.chatapp.tui.app import PdchatApp
+from tests.doubles.fake_backend import FakeBackend
+from pdchat.chatapp.tui.store import Store
 
 from .loopback import MODEL
 

@@ -27,15 +27,15 @@ import pytest
 
 from textual.drivers._writer_thread import WriterThread
 
-from pdchat.chatapp.hangup import EXIT_CODE, TerminalOutput, watch
+from pdchat.chatapp.tui.hangup import EXIT_CODE, TerminalOutput, watch
 
 EXIT_S = 10.0        # the app ends in about a second; the bug was never ending at all
 
 CHILD = """
 import os, sys, threading
-from pdchat.chatapp import app
-from pdchat.chatapp.fake_backend import FakeBackend
-from pdchat.chatapp.screens import chat
+from pdchat.chatapp.tui import app
+from tests.doubles.fake_backend import FakeBackend
+from pdchat.chatapp.tui.screens import replies
 
 class Backend(FakeBackend):
     def load(self, progress):
@@ -51,7 +51,7 @@ def stuck_lab(progress):                           # a lab run that never ends
 pid_file, model = sys.argv[1:]
 with open(pid_file, "w") as f:
     f.write(str(os.getpid()))
-chat.SAVE_S = float("inf")                         # no periodic saves: the text comes from the exit path
+replies.SAVE_S = float("inf")                       # no periodic saves: the text comes from the exit path
 app.make_backend = lambda engine, backend=None: Backend(model=engine["model"], hold="decode:3",
                                                        replies=["one two three four five six"])
 app.lab_runner = lambda backend: (stuck_lab, None)
@@ -141,7 +141,10 @@ def launch(tmp_path):
     terminals: list[Terminal] = []
     script = tmp_path / "child.py"
     script.write_text(CHILD)
-    env = {**os.environ, "PDCHAT_DATA_DIR": str(tmp_path / "data"),
+    # The child imports the test double from tests/ (the repository root on its path).
+    root = str(Path(__file__).parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))),
+           "PDCHAT_DATA_DIR": str(tmp_path / "data"),
            "PDCHAT_CONFIG_DIR": str(tmp_path / "config"), "TERM": "xterm-256color"}
 
     def start(via: str, model: str = "fake-model") -> tuple[Terminal, int]:

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from pdchat.chatapp.fake_backend import FakeBackend
-from pdchat.chatapp.widgets.messages import MessageView
+from tests.doubles.fake_backend import FakeBackend
+from pdchat.chatapp.tui.widgets.messages import MessageView
 
 from .helpers import idle, ready, send, wait_for
 
@@ -114,8 +114,8 @@ async def test_old_model_closes_only_after_its_running_reply(make_app):
 def test_a_switched_model_gets_the_toggles_as_they_are_now(monkeypatch):
     """run_app's factory builds the next backend from the toggles the user has now, not those of
     the start, and keeps the command line's other engine flags."""
-    from pdchat.chatapp import app as app_module
-    from pdchat.chatapp.backend import Toggles
+    from pdchat.chatapp.tui import app as app_module
+    from pdchat.chatapp.backends.base import Toggles
     made = {}
 
     class RecordingApp:
@@ -133,3 +133,17 @@ def test_a_switched_model_gets_the_toggles_as_they_are_now(monkeypatch):
     assert nxt.model == "random:tiny-qwen2"
     assert {k: nxt.engine_options[k] for k in ("kv_cache", "chunk_size", "spec", "threads")} == \
         {"kv_cache": False, "chunk_size": 64, "spec": "ngram", "threads": 1}
+
+
+async def test_a_reply_that_ends_during_the_exit_still_closes_the_replaced_backend(make_app):
+    # The screen posts ReplyFinished; the app may read it after the chat screen is gone (a reply
+    # ending as the user quits). It must neither need the screen nor leave a backend open.
+    from pdchat.chatapp.tui.screens.replies import ReplyFinished
+    old = Backend(model="first")
+    app = make_app(old)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+    app.retired.append(old)
+    assert app.closing
+    await app.on_reply_finished(ReplyFinished(1))
+    assert old.closed and app.retired == []

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 from rich.console import Console
 
-from pdchat.chatapp.bench_report import render
-from pdchat.engine.bench import llamacpp_peer
+from pdchat.chatapp.reporting.bench_report import render
+from pdchat.bench import llamacpp_peer
 
 
 def _text(result: dict) -> str:

@@ -12,9 +12,9 @@ import time
 import httpx
 import pytest
 
-from pdchat.chatapp.cli import main
-from pdchat.chatapp.loadtest import LoadSpec, make_prompts, report
-from pdchat.chatapp.openai_client import Endpoint, Reply
+from pdchat.chatapp.cli.main import main
+from pdchat.chatapp.reporting.loadtest import LoadSpec, make_prompts, report
+from pdchat.chatapp.backends.openai_client import Endpoint, Reply
 
 from .loopback import free_port
 
@@ -60,7 +60,7 @@ def test_prompts_differ_and_repeat():
 def pdchat_serve():
     """The real `pdchat serve` command on a free loopback port."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pdchat.chatapp.cli", "serve", "--model", "random:tiny",
+    proc = subprocess.Popen([sys.executable, "-m", "pdchat.chatapp.cli.main", "serve", "--model", "random:tiny",
                              "--device", "cpu", "--port", str(port), "--kv-cache-mb", "16"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from pdchat.chatapp.backend import DEFAULT_CHUNK
-from pdchat.chatapp.fake_backend import FakeBackend
-from pdchat.chatapp.screens import chat as chat_screen
-from pdchat.chatapp.store import Store
-from pdchat.chatapp.widgets.messages import MessageView
-from pdchat.chatapp.widgets.toggles import TogglesBox
+from tests.doubles.fake_backend import FakeBackend
+from pdchat.chatapp.tui.screens import replies as replies_module
+from pdchat.chatapp.tui.store import Store
+from pdchat.chatapp.tui.widgets.messages import MessageView
+from pdchat.chatapp.tui.widgets.toggles import TogglesBox
 
 from .helpers import idle, ready, send, wait_for
 
@@ -76,7 +75,7 @@ async def test_cancel_keeps_partial_reply_marked_cancelled(make_app):
 
 
 async def test_quitting_mid_reply_saves_the_partial_text(make_app, monkeypatch):
-    monkeypatch.setattr(chat_screen, "SAVE_S", float("inf"))   # no periodic saves: only the exit path writes
+    monkeypatch.setattr(replies_module, "SAVE_S", float("inf"))   # no periodic saves: only the exit path writes
     backend = FakeBackend(hold="decode:3", replies=["one two three four five six"])
     app = make_app(backend)
     async with app.run_test(size=SIZE) as pilot:
@@ -167,7 +166,7 @@ async def test_toggles_call_backend_update(make_app):
         assert app.chat.query_one(TogglesBox).display
         await pilot.click("#tg-prefix_cache")
         await pilot.click("#tg-kv_cache")
-        await pilot.click("#tg-chunked")
+        await pilot.click("#tg-chunk_size-on")
         await pilot.pause()
         assert backend.updates == [{"prefix_cache": False}, {"kv_cache": False}, {"chunk_size": None}]
         assert app.store.get_setting("toggles")["prefix_cache"] is False
@@ -175,9 +174,9 @@ async def test_toggles_call_backend_update(make_app):
         await send(pilot, "hello")
         await idle(pilot)
         assert app.store.messages(app.chat.conv_id)[-1].metrics["tpot_ms"] == pytest.approx(128.0)
-        await pilot.click("#tg-chunked")
+        await pilot.click("#tg-chunk_size-on")
         await pilot.pause()
-        assert backend.updates[-1] == {"chunk_size": DEFAULT_CHUNK}
+        assert backend.updates[-1] == {"chunk_size": "auto"}
 
 
 async def test_unavailable_feature_is_shown_and_refused(make_app):

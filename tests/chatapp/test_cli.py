@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from pdchat.chatapp.cli import main
+from pdchat.chatapp.cli.main import main
 from pdchat.engine.metrics import RequestMetrics
 
 METRIC_FIELDS = set(RequestMetrics.__dataclass_fields__)
@@ -104,7 +104,7 @@ def test_bad_input_gives_a_clear_message(case, capsys, monkeypatch, tmp_path):
 
 
 def test_real_command_has_no_traceback_and_fails():
-    proc = subprocess.run([sys.executable, "-m", "pdchat.chatapp.cli", "run", "hi", "--model", "random:nope"],
+    proc = subprocess.run([sys.executable, "-m", "pdchat.chatapp.cli.main", "run", "hi", "--model", "random:nope"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "unknown random preset 'nope'" in proc.stderr and "Traceback" not in proc.stderr
@@ -113,7 +113,7 @@ def test_real_command_has_no_traceback_and_fails():
 def test_default_model_json_metrics_agree_with_a_stopwatch(default_engine):
     # default_engine makes sure the model is cached; the CLI then loads it itself.
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pdchat.chatapp.cli", "run", "What is the capital of France?",
+    proc = subprocess.run([sys.executable, "-m", "pdchat.chatapp.cli.main", "run", "What is the capital of France?",
                            "--temperature", "0", "--json", "--max-tokens", "48"],
                           capture_output=True, text=True, timeout=300)
     wall_ms = (time.perf_counter() - t0) * 1000

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from pdchat.chatapp.cli import main
+from pdchat.chatapp.cli.main import main
 
 from .loopback import free_port
 
@@ -33,21 +33,21 @@ def one_line(capsys, argv: list[str], code: int) -> str:
 
 
 @pytest.mark.parametrize("flag, value, words", [
-    ("--seed", str(2**70), "--seed: must fit 64 bits"),
-    ("--seed", str(2**64), "--seed: must fit 64 bits"),
-    ("--seed", str(-2**63 - 1), "--seed: must fit 64 bits"),
+    ("--seed", str(2**70), "--seed: must be at least -2**63 and less than 2**64"),
+    ("--seed", str(2**64), "--seed: must be at least -2**63 and less than 2**64"),
+    ("--seed", str(-2**63 - 1), "--seed: must be at least -2**63"),
     ("--seed", "1.5", "--seed: expected a whole number"),
-    ("--temperature", "nan", "--temperature: must be a number from 0 to 2, got nan"),
-    ("--temperature", "inf", "--temperature: must be a number from 0 to 2"),
-    ("--temperature", "-0.1", "--temperature: must be a number from 0 to 2"),
-    ("--temperature", "2.5", "--temperature: must be a number from 0 to 2"),
+    ("--temperature", "nan", "--temperature: must be at least 0 and at most 2, got nan"),
+    ("--temperature", "inf", "--temperature: must be at least 0 and at most 2"),
+    ("--temperature", "-0.1", "--temperature: must be at least 0 and at most 2"),
+    ("--temperature", "2.5", "--temperature: must be at least 0 and at most 2"),
     ("--temperature", "warm", "--temperature: expected a number"),
     ("--top-p", "0", "--top-p: must be more than 0 and at most 1"),
     ("--top-p", "1.01", "--top-p: must be more than 0 and at most 1"),
     ("--top-p", "nan", "--top-p: must be more than 0 and at most 1"),
-    ("--top-k", "-1", "--top-k: must be 0 (off) or more"),
+    ("--top-k", "-1", "--top-k: must be at least 0, got -1"),
     ("--max-tokens", "0", "--max-tokens: must be at least 1"),
-    ("--threads", "100000", "--threads: must be 1 to"),
+    ("--threads", "100000", "--threads: must be at least 1 and at most"),
     ("--chunk-size", "-5", "--chunk-size: must be at least 1"),
 ])
 def test_a_bad_number_is_a_usage_error_before_any_model_loads(flag, value, words, capsys):
@@ -157,7 +157,7 @@ def test_a_closed_pipe_ends_quietly():
     # `pdchat run ... | head -c 0`: the reader is gone before the first write (there is always one:
     # the reply ends with a newline), so the outcome does not depend on when the model stops;
     # no traceback, no "Exception ignored".
-    proc = subprocess.Popen([sys.executable, "-m", "pdchat.chatapp.cli", "run", "hi", "--model", "random:tiny",
+    proc = subprocess.Popen([sys.executable, "-m", "pdchat.chatapp.cli.main", "run", "hi", "--model", "random:tiny",
                              "--max-tokens", "4000", "--temperature", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()

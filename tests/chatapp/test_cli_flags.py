@@ -6,37 +6,26 @@ from __future__ import annotations
 
 import pytest
 
-from pdchat.chatapp.backend import Settings
-from pdchat.chatapp.cli import main
-from pdchat.chatapp.openai_client import Endpoint
-from pdchat.chatapp.store import Store
+from pdchat.chatapp.backends.base import Settings
+from pdchat.chatapp.cli.main import main
+from pdchat.chatapp.backends.openai_client import Endpoint
+from pdchat.chatapp.tui.store import Store
 from pdchat.engine import EngineConfig, SamplingParams
+from pdchat.engine import settings
 from pdchat.engine.paths import data_dir
 
-# (the flag as typed, the EngineConfig field it sets, the value it sets)
-ENGINE_CASES = [
-    (["--model", "random:tiny"], "model", "random:tiny"),
-    (["--device", "cpu"], "device", "cpu"),
-    (["--dtype", "bfloat16"], "dtype", "bfloat16"),
-    (["--threads", "1"], "threads", 1),
-    (["--kernels", "torch"], "kernels", "torch"),
-    (["--no-kv-cache"], "kv_cache", False),
-    (["--no-prefix-cache"], "prefix_cache", False),
-    (["--chunk-size", "48"], "chunk_size", 48),
+from ..setting_values import other_value, typed
+
+# (the flag as typed, the field it sets, the value it sets): every flag of the settings
+# declaration with a value that is not its default, plus the words that stand for values.
+ENGINE_CASES = [(typed(s, other_value(s)), s.name, other_value(s))
+                for s in settings.of(settings.ENGINE) if s.cli_flag] + [
     (["--chunk-size", "0"], "chunk_size", None),
+    (["--chunk-size", "off"], "chunk_size", None),
     (["--kv-cache-mb", "24"], "kv_cache_mb", 24),
-    (["--max-batch", "3"], "max_num_seqs", 3),
-    (["--spec", "ngram"], "spec", "ngram"),
-    (["--draft-model", "self"], "draft_model", "self"),
-    (["--spec-tokens", "7"], "spec_tokens", 7),
-    (["--quant", "int8"], "quant", "int8"),
 ]
-# (the flag as typed, the SamplingParams field it sets, the value it sets)
-SAMPLING_CASES = [
-    (["--max-tokens", "9"], "max_tokens", 9),
-    (["--temperature", "0.25"], "temperature", 0.25),
-    (["--top-p", "0.5"], "top_p", 0.5),
-    (["--top-k", "5"], "top_k", 5),
+SAMPLING_CASES = [(typed(s, other_value(s)), s.name, other_value(s))
+                  for s in settings.of(settings.SAMPLING) if s.cli_flag] + [
     (["--seed", str(2**64 - 1)], "seed", 2**64 - 1),
     (["--seed", str(-2**63)], "seed", -2**63),
 ]
@@ -109,12 +98,12 @@ def seen(monkeypatch):
         raise Captured
 
     monkeypatch.setattr("pdchat.engine.Engine", FakeEngine)
-    monkeypatch.setattr("pdchat.engine.bench.run_suite", fake_suite)
+    monkeypatch.setattr("pdchat.bench.run_suite", fake_suite)
     monkeypatch.setattr("pdchat.chatapp.serve.app.serve", lambda config, **kw: seen.update(config=config))
-    monkeypatch.setattr("pdchat.chatapp.app.PdchatApp", FakeApp)
-    monkeypatch.setattr("pdchat.chatapp.remote_backend.RemoteBackend.load", fake_remote_load)
-    monkeypatch.setattr("pdchat.chatapp.remote_backend.RemoteGeneration", FakeGeneration)
-    monkeypatch.setattr("pdchat.chatapp.loadtest.run_load", fake_load)
+    monkeypatch.setattr("pdchat.chatapp.tui.app.PdchatApp", FakeApp)
+    monkeypatch.setattr("pdchat.chatapp.backends.remote.RemoteBackend.load", fake_remote_load)
+    monkeypatch.setattr("pdchat.chatapp.backends.remote.RemoteGeneration", FakeGeneration)
+    monkeypatch.setattr("pdchat.chatapp.reporting.loadtest.run_load", fake_load)
     return seen
 
 
@@ -134,8 +123,9 @@ def command_line(command: str, flags: list[str], before: bool, remote: bool = Fa
 def test_the_cli_and_the_app_have_the_engines_sampling_defaults():
     # The app's Settings stand in for SamplingParams where no flag is given: same defaults.
     params = SamplingParams()
-    assert {k: getattr(params, k) for k in ("max_tokens", "temperature", "top_p", "top_k", "seed")} == \
-        {k: v for k, v in Settings().to_dict().items() if k != "system"}
+    shared = {k: v for k, v in Settings().to_dict().items() if k != "system"}
+    assert shared.keys() >= {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed"}
+    assert {k: getattr(params, k) for k in shared} == shared
 
 
 @pytest.mark.parametrize("command", list(LOCAL))

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdchat.chatapp.backend import Settings
-from pdchat.chatapp.local_backend import LocalBackend
-from pdchat.chatapp.widgets.messages import MessageView
+from pdchat.chatapp.backends.base import Settings
+from pdchat.chatapp.backends.local import LocalBackend
+from pdchat.chatapp.tui.widgets.messages import MessageView
 
 from .helpers import send, wait_for
 

@@ -8,8 +8,8 @@ import pytest
 from rich.console import Console
 from textual.widgets import Static
 
-from pdchat.chatapp.screens.lab import LabScreen
-from pdchat.engine.bench import lab_files
+from pdchat.chatapp.tui.screens.lab import LabScreen
+from pdchat.bench import lab_files
 
 from .helpers import wait_for
 
@@ -91,7 +91,7 @@ async def test_opens_on_the_last_saved_run(make_app):
     files = lab_files.save(RESULT)
     app = make_app()
     async with app.run_test(size=(140, 44)) as pilot:
-        await app.push_screen(LabScreen(None, "remote backend"))
+        await app.push_screen(LabScreen(None, "remote backend", load_last=lab_files.last_run))
         await pilot.pause()
         text = screen_text(app)
         assert "scripted on cpu" in text and files["dir"] in text and "remote backend" in text

@@ -6,8 +6,8 @@ from dataclasses import fields
 
 import pytest
 
-from pdchat.chatapp.metrics_parsers import EXTRA_KEYS, llamacpp_timings, parse_metrics
-from pdchat.chatapp.openai_client import Reply
+from pdchat.chatapp.backends.metrics_parsers import EXTRA_KEYS, llamacpp_timings, parse_metrics
+from pdchat.chatapp.backends.openai_client import Reply
 from pdchat.chatapp.serve.prometheus import ServerMetrics
 from pdchat.engine import EngineStats, RequestMetrics
 

@@ -6,11 +6,11 @@ import json
 import httpx
 import pytest
 
-from pdchat.chatapp.backend import Done, Phase, Settings, Token
-from pdchat.chatapp.cli import main
-from pdchat.chatapp.metrics_parsers import Samples
-from pdchat.chatapp.openai_client import Endpoint, RemoteError
-from pdchat.chatapp.remote_backend import RemoteBackend
+from pdchat.chatapp.backends.base import Done, Phase, Settings, Token
+from pdchat.chatapp.cli.main import main
+from pdchat.chatapp.backends.metrics_parsers import Samples
+from pdchat.chatapp.backends.openai_client import Endpoint, RemoteError
+from pdchat.chatapp.backends.remote import RemoteBackend
 from pdchat.chatapp.serve.app import create_app
 from pdchat.engine import SamplingParams
 
@@ -149,9 +149,9 @@ def test_run_with_unreachable_backend_is_one_line(capsys):
 
 
 def test_app_picks_the_remote_backend_for_a_url():
-    from pdchat.chatapp.app import make_backend
-    from pdchat.chatapp.local_backend import LocalBackend
-    from pdchat.chatapp.remote_backend import RemoteBackend
+    from pdchat.chatapp.tui.app import make_backend
+    from pdchat.chatapp.backends.local import LocalBackend
+    from pdchat.chatapp.backends.remote import RemoteBackend
     remote = make_backend({"model": "m", "threads": 1}, "http://127.0.0.1:9")
     assert isinstance(remote, RemoteBackend) and remote.url == "http://127.0.0.1:9" and remote.model == "m"
     remote.close()

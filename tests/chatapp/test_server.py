@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from pdchat.chatapp.cli import build_parser
-from pdchat.chatapp.metrics_parsers import Samples, parse_metrics
+from pdchat.chatapp.cli.main import build_parser
+from pdchat.chatapp.backends.metrics_parsers import Samples, parse_metrics
 from pdchat.chatapp.serve.app import create_app
 from pdchat.engine import SamplingParams
 

@@ -15,7 +15,7 @@ import threading
 import httpx
 import pytest
 
-from pdchat.chatapp.cli import build_parser, main
+from pdchat.chatapp.cli.main import build_parser, main
 from pdchat.chatapp.serve.options import Limits, ServeOptions
 
 from .loopback import MODEL
@@ -94,7 +94,7 @@ def test_ctrl_c_ends_open_streams_and_exits_without_a_traceback(tmp_path):
     """The real thing: `pdchat serve` in its own process, a key from a file, a stream open, SIGINT."""
     keys = tmp_path / "keys"
     keys.write_text("sekret\n")
-    code = "import sys; from pdchat.chatapp.cli import main; sys.exit(main())"
+    code = "import sys; from pdchat.chatapp.cli.main import main; sys.exit(main())"
     proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--model", MODEL, "--device", "cpu", "--port", "0",
                              "--kv-cache-mb", "16", "--api-key-file", str(keys)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -16,7 +16,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from pdchat.chatapp.cli import main
+from pdchat.chatapp.cli.main import main
 from pdchat.chatapp.serve.app import create_app
 from pdchat.chatapp.serve.listen import Server, bind, http_server
 from pdchat.chatapp.serve.options import Limits, ServeOptions

@@ -4,7 +4,7 @@ Update after an intended visual change: .venv/bin/pytest tests/chatapp/test_snap
 """
 from __future__ import annotations
 
-from pdchat.chatapp.fake_backend import FakeBackend
+from tests.doubles.fake_backend import FakeBackend
 
 from .helpers import idle, ready, send, wait_for
 

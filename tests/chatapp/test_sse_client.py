@@ -12,8 +12,8 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from pdchat.chatapp.cli import main
-from pdchat.chatapp.openai_client import RemoteError, Reply, SSEDecoder, event_payload
+from pdchat.chatapp.cli.main import main
+from pdchat.chatapp.backends.openai_client import RemoteError, Reply, SSEDecoder, event_payload
 
 from .loopback import running
 

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from pdchat.chatapp.fake_backend import FakeBackend
-from pdchat.chatapp.store import MIGRATIONS, Store
+from tests.doubles.fake_backend import FakeBackend
+from pdchat.chatapp.tui.store import MIGRATIONS, Store
 
 from .helpers import ready, send, wait_for
 
@@ -51,7 +51,7 @@ def test_old_schema_is_migrated(tmp_path):
 
 
 def test_a_new_migration_upgrades_a_database_with_data(tmp_path, monkeypatch):
-    from pdchat.chatapp import store as store_module
+    from pdchat.chatapp.tui import store as store_module
     path = tmp_path / "v1.db"
     s = Store(path)
     c = s.create_conversation("Kept", {"temperature": 0.3})
@@ -71,7 +71,7 @@ def test_a_new_migration_upgrades_a_database_with_data(tmp_path, monkeypatch):
 
 
 def test_a_failing_migration_changes_nothing(tmp_path, monkeypatch):
-    from pdchat.chatapp import store as store_module
+    from pdchat.chatapp.tui import store as store_module
     path = tmp_path / "v1.db"
     s = Store(path)
     conv = s.create_conversation("Kept")
@@ -104,7 +104,7 @@ def test_corrupt_file_moved_aside(tmp_path):
 
 WRITER = textwrap.dedent("""
     import sys, time
-    from pdchat.chatapp.store import Store
+    from pdchat.chatapp.tui.store import Store
     s = Store(sys.argv[1])
     c = s.create_conversation("kill me")
     s.add_message(c.id, "user", "tell me a long story")

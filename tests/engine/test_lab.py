@@ -8,9 +8,9 @@ import json
 import pytest
 
 from pdchat.engine import EngineConfig
-from pdchat.engine.bench import lab as bench_lab, lab_claims as lc, lab_files
-from pdchat.engine.bench import median, run_suite
-from pdchat.engine.bench.plot import nice_ticks, svg
+from pdchat.bench import lab as bench_lab, lab_claims as lc, lab_files
+from pdchat.bench import median, run_suite
+from pdchat.bench.svg_plot import nice_ticks, svg
 
 CLAIM_IDS = ["prefill_linear", "decode_slow_growth", "prefill_vs_decode", "int8_memory_bound", "kv_bytes",
              "prefix_cache", "batching", "chunked_prefill", "spec"]
@@ -218,7 +218,7 @@ def test_tiny_run_numbers_are_consistent(tiny_run):
 
 
 def test_cli_json_prints_only_the_result(capsys, tmp_path):
-    from pdchat.chatapp.cli import main
+    from pdchat.chatapp.cli.main import main
     code = main(["bench", "lab", "--quick", "--json", "--model", "random:tiny"])
     out, err = capsys.readouterr()
     assert code == 0
@@ -228,6 +228,6 @@ def test_cli_json_prints_only_the_result(capsys, tmp_path):
 
 
 def test_cli_refuses_a_remote_backend(capsys):
-    from pdchat.chatapp.cli import main
+    from pdchat.chatapp.cli.main import main
     assert main(["bench", "lab", "--backend", "http://127.0.0.1:9"]) == 2
     assert "not available with a remote backend" in capsys.readouterr().out

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pdchat.engine import SamplingParams, model_source
-from pdchat.engine.bench import llamacpp_peer
+from pdchat.bench import llamacpp_peer
 
 
 @pytest.fixture
@@ -119,7 +119,7 @@ def test_source_gguf_of_gguf_specs(tmp_path, cache):
 
 def test_baseline_reports_the_skipped_peer(monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
-    from pdchat.engine.bench import run_suite
+    from pdchat.bench import run_suite
     result = run_suite("baseline", model_config("random:tiny"), quick=True)
     sec = result["llamacpp"]
     assert sec["met"] is None and "not installed" in sec["reason"]

@@ -1,0 +1,275 @@
+"""`pdchat bench lab`: the explainers' claims about inference, measured on this machine.
+
+Curves: prefill time vs prompt length (a sweep, several repeats, medians) and decode time per
+token vs position (one long generation, medians per position bin); then one experiment per claim
+(int8, KV bytes, prefix cache, batching, chunked prefill, speculative decoding), reusing the
+`toggles` and `spec` suites' measurements. Verdicts come from the pure checks in lab_claims; the
+result, a CSV of the curves and an SVG are written under data_dir()/lab/<timestamp>/.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import replace
+from typing import Any
+
+from pdchat.engine.config import EngineConfig, SamplingParams
+from pdchat.engine.engine import Engine
+from pdchat.engine.stream import TokenEvent
+from pdchat.bench import Progress, filler_text, machine, median, ratio
+from pdchat.bench import lab_claims, lab_files, spec as bench_spec, toggles as bench_toggles
+
+SIZES: dict[str, dict[str, Any]] = {
+    # ~4 minutes for smollm2-135m on a 2-core CPU.
+    "full": dict(lengths=[16, 32, 64, 128, 256, 512, 1024, 2048, 4096], repeats=3, decode_tokens=512,
+                 decode_bin=32, quant_prompt=512, quant_tokens=32, quant_repeats=2, kv_prompt=100,
+                 prefix_words=600, prefix_repeats=2, batch_sizes=[1, 2, 4, 8, 16, 32], batch_tokens=32,
+                 chunk_words=400, chunks=[16, 32, 64, 128, 256, None], spec_tokens=64),
+    # Seconds on a random:tiny model: exercises every experiment, measures nothing meaningful.
+    "quick": dict(lengths=[8, 16, 32, 64], repeats=2, decode_tokens=24, decode_bin=4, quant_prompt=32,
+                  quant_tokens=6, quant_repeats=1, kv_prompt=20, prefix_words=60, prefix_repeats=1,
+                  batch_sizes=[1, 2, 4], batch_tokens=6, chunk_words=60, chunks=[16, 32, None], spec_tokens=12),
+}
+# Share of the run each step takes (full size), for an honest progress bar.
+STEPS = [("prefill sweep", 0.22), ("decode vs position", 0.2), ("int8 weights", 0.08), ("KV bytes", 0.01),
+         ("prefix cache", 0.08), ("batching", 0.15), ("chunked prefill", 0.1), ("speculative decoding", 0.16)]
+
+
+def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, Any]:
+    sizes = SIZES["quick" if quick else "full"]
+    # Prefix cache off and speculation off: every measurement really computes what it times;
+    # each experiment turns on only the toggle it studies.
+    engine = Engine(replace(config, telemetry=False, prefix_cache=False, spec="off", quant="none"),
+                    say=lambda m: None)
+    try:
+        out: dict[str, Any] = {"suite": "lab", "model": config.model, "device": str(engine.device),
+                               "dtype": str(engine.dtype).removeprefix("torch."), "inputs": dict(sizes)}
+        engine.submit("Hello", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)).result()  # warm-up
+        exp: dict[str, Any] = {}
+        done = 0.0
+
+        def step(i: int) -> Progress:
+            name, share = STEPS[i]
+            start = done
+            progress(name, start)
+            return lambda what, frac: progress(f"{name}: {what}", start + share * min(frac, 1.0))
+
+        for i, (key, fn) in enumerate([("prefill", _prefill_sweep), ("decode", _decode_positions),
+                                       ("int8", _int8), ("kv", _kv_bytes), ("prefix_cache", _prefix),
+                                       ("batching", _batching), ("chunked_prefill", _chunked),
+                                       ("spec", _spec)]):
+            exp[key] = fn(engine, sizes, step(i))
+            done += STEPS[i][1]
+        out["experiments"] = exp
+        out["claims"] = claims(exp)
+        out["curves"] = curves(exp)
+        out["see_also"] = _see_also()
+        out["machine"] = machine()
+        progress("writing files", 1.0)
+        out["files"] = lab_files.save(out)
+        return out
+    finally:
+        engine.close()
+
+
+# ---- experiments (each returns plain numbers) -----------------------------------------------------
+def _prompt_ids(engine: Engine, n: int, seed: int = 0) -> list[int]:
+    ids = engine.encode(filler_text(n, seed=seed))
+    while len(ids) < n:                     # short tokenizers (random models): repeat the text
+        ids += ids
+    return ids[:n]
+
+
+def _prefill_sweep(engine: Engine, sizes: dict[str, Any], progress: Progress) -> dict[str, Any]:
+    base_chunk = engine.config.chunk_size
+    engine.update(chunk_size=None)          # one prompt, one forward: time the prefill itself
+    limit = min(engine.max_model_len - 2, engine.blocks.num_blocks * engine.blocks.block_size - 2)
+    lengths = [n for n in sizes["lengths"] if n <= limit]
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    raw: dict[int, list[float]] = {n: [] for n in lengths}
+    total = sizes["repeats"] * len(lengths)
+    for r in range(sizes["repeats"]):
+        for i, n in enumerate(lengths):     # interleaved: machine noise hits every length alike
+            progress(f"{n} tokens", (r * len(lengths) + i) / total)
+            raw[n].append(engine.submit(_prompt_ids(engine, n, seed=r), one).result().metrics.prefill_ms)
+    engine.update(chunk_size=base_chunk)
+    return {"lengths": lengths, "prefill_ms": [median(raw[n]) for n in lengths], "raw_ms": [raw[n] for n in lengths]}
+
+
+def _decode_positions(engine: Engine, sizes: dict[str, Any], progress: Progress) -> dict[str, Any]:
+    progress("generating", 0.0)
+    prompt = engine.encode("Tell me a very long story about a lighthouse keeper.")
+    n = min(sizes["decode_tokens"], engine.max_model_len - len(prompt) - 1)
+    m = engine.submit(prompt, SamplingParams(max_tokens=n + 1, temperature=0, ignore_eos=True)).result().metrics
+    # itl_ms[i] is the step that computed the token at position len(prompt) + i.
+    positions, tpot, b = [], [], sizes["decode_bin"]
+    for start in range(0, len(m.itl_ms) - b + 1, b):
+        positions.append(len(prompt) + start + b // 2)
+        tpot.append(median(m.itl_ms[start:start + b]))
+    return {"prompt_tokens": len(prompt), "generated": m.output_tokens, "bin": b, "positions": positions,
+            "tpot_ms": tpot, "median_tpot_ms": median(m.itl_ms), "itl_ms": m.itl_ms}
+
+
+def _int8(engine: Engine, sizes: dict[str, Any], progress: Progress) -> dict[str, Any]:
+    if not engine.ops.int8_supported(engine.device):
+        return {"available": False, "reason": f"this torch build has no int8 weight kernel on {engine.device}"}
+    long = _prompt_ids(engine, sizes["quant_prompt"], seed=7)
+    short = engine.encode("Write a story about a dragon.")
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    gen = SamplingParams(max_tokens=sizes["quant_tokens"] + 1, temperature=0, ignore_eos=True)
+    prefill: dict[str, list[float]] = {"none": [], "int8": []}
+    tpot: dict[str, list[float]] = {"none": [], "int8": []}
+    for r in range(sizes["quant_repeats"]):
+        for mode in ("none", "int8"):
+            progress(f"{mode} round {r + 1}", (2 * r + (mode == "int8")) / (2 * sizes["quant_repeats"]))
+            engine.update(quant=mode)
+            prefill[mode].append(engine.submit(long, one).result().metrics.prefill_ms)
+            tpot[mode].append(engine.submit(short, gen).result().metrics.tpot_ms)
+    engine.update(quant="none")
+    p = {k: median(v) for k, v in prefill.items()}
+    d = {k: median(v) for k, v in tpot.items()}
+    return {"available": True, "prompt_tokens": len(long), "decode_tokens": sizes["quant_tokens"],
+            "prefill_ms_fp": p["none"], "prefill_ms_int8": p["int8"], "tpot_ms_fp": d["none"],
+            "tpot_ms_int8": d["int8"], "prefill_speedup": ratio(p["none"], p["int8"]),
+            "decode_speedup": ratio(d["none"], d["int8"])}
+
+
+def _kv_bytes(engine: Engine, sizes: dict[str, Any], progress: Progress) -> dict[str, Any]:
+    progress("filling the pool", 0.0)
+    mc, runner = engine.model_config, engine.runner
+    ids = _prompt_ids(engine, sizes["kv_prompt"], seed=3)
+    # As long as the context allows, so it is still running when we look (tiny models are fast);
+    # it is cancelled as soon as it has been observed.
+    stream = engine.submit(ids, SamplingParams(max_tokens=engine.max_model_len - len(ids) - 1, temperature=0,
+                                               ignore_eos=True))
+    snap: dict[str, Any] = {}
+    for event in stream:
+        if isinstance(event, TokenEvent):
+            # Under the engine's step lock the pool and the sequence agree (no step half done).
+            with engine.loop.lock:
+                st = engine.stats()
+                seq = next((s for s in engine.scheduler.running if s.request_id == stream.request_id), None)
+                if seq is None:         # between two steps of its life (e.g. preempted): next token
+                    continue
+                snap = {"tokens_held": seq.num_computed_tokens, "blocks_used": st.kv_blocks_used,
+                        "bytes_used": st.kv_bytes_used, "engine_bytes_per_token": st.kv_bytes_per_token,
+                        "block_size": st.kv_block_size}
+            stream.cancel()
+            break
+    stream.result()
+    if not snap:
+        raise RuntimeError("the KV probe request finished before it could be observed in the pool")
+    slots = runner.k_cache.shape[1] * runner.k_cache.shape[2]       # blocks x block size
+    return {"layers": mc.num_layers, "kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim,
+            "dtype_bytes": engine.dtype.itemsize, "tensor_bytes_per_slot": runner.kv_bytes_total / slots, **snap}
+
+
+def _prefix(engine: Engine, sizes: dict[str, Any], progress: Progress) -> dict[str, Any]:
+    progress("two turns, cache on and off", 0.0)
+    return bench_toggles.prefix_cache(engine, sizes["prefix_words"], sizes["prefix_repeats"])
+
+
+def _batching(engine: Engine, sizes: dict[str, Any], progress: Progress) -> dict[str, Any]:
+    rows = []
+    for i, n in enumerate(sizes["batch_sizes"]):
+        progress(f"{n} at once", i / len(sizes["batch_sizes"]))
+        tok_s, tpot = bench_toggles.batch_point(engine, n, sizes["batch_tokens"])
+        rows.append({"batch": n, "decode_tok_s": tok_s, "tpot_ms": tpot})
+    return {"new_tokens": sizes["batch_tokens"], "rows": rows}
+
+
+def _chunked(engine: Engine, sizes: dict[str, Any], progress: Progress) -> dict[str, Any]:
+    progress("a newcomer arrives mid-stream", 0.0)
+    return bench_toggles.chunked_prefill(engine, sizes["chunk_words"], sizes["chunks"])
+
+
+def _spec(engine: Engine, sizes: dict[str, Any], progress: Progress) -> dict[str, Any]:
+    workloads = {"grounded": bench_spec.GROUNDED[:1], "open-ended": bench_spec.OPEN_ENDED[:1]}
+    return {"max_tokens": sizes["spec_tokens"],
+            "rows": bench_spec.measure(engine, workloads, sizes["spec_tokens"], progress)}
+
+
+# ---- verdicts and curves --------------------------------------------------------------------------
+def claims(exp: dict[str, Any]) -> list[lab_claims.Verdict]:
+    """Every claim's verdict from the experiments' numbers (pure: no engine needed)."""
+    pre, dec = exp["prefill"], exp["decode"]
+    out = [lab_claims.prefill_linear(pre["lengths"], pre["prefill_ms"]),
+           lab_claims.decode_slow_growth(dec["positions"], dec["tpot_ms"])]
+    # Read off the measured curve, not the fit: on CPU attention makes long prompts superlinear.
+    at_1000 = lab_claims.interpolate([float(n) for n in pre["lengths"]], pre["prefill_ms"], 1000.0)
+    out.append(lab_claims.prefill_vs_decode(at_1000, dec["median_tpot_ms"]))
+    q = exp["int8"]
+    out.append(lab_claims.int8_memory_bound(q.get("decode_speedup"), q.get("prefill_speedup"), q.get("reason", "")))
+    kv = exp["kv"]
+    out.append(lab_claims.kv_bytes(kv["layers"], kv["kv_heads"], kv["head_dim"], kv["dtype_bytes"],
+                                   engine_bytes_per_token=kv["engine_bytes_per_token"],
+                                   tensor_bytes_per_slot=kv["tensor_bytes_per_slot"], blocks_used=kv["blocks_used"],
+                                   block_size=kv["block_size"], bytes_used=kv["bytes_used"],
+                                   tokens_held=kv["tokens_held"]))
+    pc = exp["prefix_cache"]
+    out.append(lab_claims.prefix_cache(pc["ttft_on_ms"], pc["ttft_off_ms"], pc["prompt_tokens"],
+                                       pc["cached_prompt_tokens"]))
+    rows = exp["batching"]["rows"]
+    out.append(lab_claims.batching([r["batch"] for r in rows], [r["decode_tok_s"] for r in rows],
+                                   [r["tpot_ms"] for r in rows]))
+    crows = exp["chunked_prefill"]["rows"]
+    out.append(lab_claims.chunked_prefill(_chunk_axis(crows), [r["newcomer_ttft_ms"] for r in crows],
+                                          [r["worst_gap_over_tpot"] for r in crows]))
+    points = _spec_points(exp["spec"]["rows"])
+    out.append(lab_claims.spec_vs_acceptance([p[0] for p in points], [p[1] for p in points]))
+    return out
+
+
+def _chunk_axis(rows: list[dict[str, Any]]) -> list[int]:
+    # "off" means the whole prompt in one step: its chunk is the prompt length.
+    return [r["chunk_size"] or r["newcomer_prompt_tokens"] for r in rows]
+
+
+def _spec_points(rows: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    return sorted((r["acceptance"], r["speedup"]) for r in rows
+                  if r.get("acceptance") is not None and r.get("speedup") is not None)
+
+
+def curves(exp: dict[str, Any]) -> list[dict[str, Any]]:
+    """The plots, each {id, title, x_label, y_label, x, y, role, kind, fit?}, for SVG and terminal."""
+    pre, dec = exp["prefill"], exp["decode"]
+    pfit = lab_claims.linear_fit([float(n) for n in pre["lengths"]], pre["prefill_ms"])
+    dfit = lab_claims.linear_fit([float(p) for p in dec["positions"]], dec["tpot_ms"])
+    b = exp["batching"]["rows"]
+    c = exp["chunked_prefill"]["rows"]
+    s = _spec_points(exp["spec"]["rows"])
+    out = [
+        _curve("prefill", "Prefill time vs prompt length", "prompt tokens", "ms", pre["lengths"],
+               pre["prefill_ms"], "prefill", fit=pfit[:2]),
+        _curve("decode", "Decode time per token vs position", "position", "ms / token", dec["positions"],
+               dec["tpot_ms"], "decode", fit=dfit[:2]),
+        _curve("batch_throughput", "Batching: aggregate throughput", "batch size", "tok/s",
+               [r["batch"] for r in b], [r["decode_tok_s"] for r in b], "gpu"),
+        _curve("batch_tpot", "Batching: per-user TPOT", "batch size", "ms / token",
+               [r["batch"] for r in b], [r["tpot_ms"] for r in b], "decode"),
+        _curve("chunk_ttft", "Chunked prefill: newcomer's TTFT", "chunk tokens", "ms",
+               _chunk_axis(c), [r["newcomer_ttft_ms"] for r in c], "prefill"),
+        _curve("chunk_stall", "Chunked prefill: others' worst stall", "chunk tokens", "x TPOT",
+               _chunk_axis(c), [r["worst_gap_over_tpot"] for r in c], "decode"),
+    ]
+    if s:
+        out.append(_curve("spec", "Speculative decoding", "acceptance", "speed-up", [p[0] for p in s],
+                          [p[1] for p in s], "cached", kind="scatter"))
+    return out
+
+
+def _curve(cid: str, title: str, x_label: str, y_label: str, x: list, y: list, role: str, *,
+           kind: str = "line", fit: tuple[float, float] | None = None) -> dict[str, Any]:
+    curve = {"id": cid, "title": title, "x_label": x_label, "y_label": y_label, "x": list(x), "y": list(y),
+             "role": role, "kind": kind}
+    if fit is not None:
+        curve["fit"] = {"slope": fit[0], "intercept": fit[1]}
+    return curve
+
+
+def _see_also() -> dict[str, str]:
+    peer = ("llama-cpp-python is installed: compare with llama.cpp on the same GGUF by hand"
+            if importlib.util.find_spec("llama_cpp") else "llama-cpp-python is not installed (optional)")
+    return {"baseline": "pdchat bench baseline: pdchat vs Hugging Face generate() on the same weights",
+            "toggles": "pdchat bench toggles: each optimization on vs off at full size",
+            "spec": "pdchat bench spec: speculative decoding on more prompts",
+            "llama.cpp": peer}

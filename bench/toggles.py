@@ -1,0 +1,142 @@
+"""`pdchat bench toggles`: what each optimization buys, measured on the same engine in one run.
+
+- prefix cache: TTFT of a follow-up turn on a long conversation, on vs off;
+- chunked prefill: worst inter-token gap of a running stream while a long prompt arrives, per
+  chunk size, against the stream's own median TPOT (and what the newcomer pays in TTFT);
+- batching: aggregate decode tok/s with N concurrent requests vs 1;
+- naive mode: decode ms/token at a long position without vs with the KV cache.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+from pdchat.engine.config import EngineConfig, SamplingParams
+from pdchat.engine.engine import Engine
+from pdchat.engine.stream import FinishEvent, TokenEvent
+from pdchat.bench import Progress, filler_text, median, ratio
+
+
+def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, Any]:
+    sizes = dict(conversation_words=120, long_prompt_words=150, batch=4, naive_position=100, repeats=1,
+                 chunks=[16, None]) if quick else \
+        dict(conversation_words=1500, long_prompt_words=1500, batch=16, naive_position=500, repeats=3,
+             chunks=[16, 32, 64, 128, 256, None])
+    engine = Engine(replace(config, telemetry=False), say=lambda m: None)
+    try:
+        out: dict[str, Any] = {"model": config.model, "device": str(engine.device), "inputs": sizes}
+        progress("prefix cache", 0.0)
+        out["prefix_cache"] = prefix_cache(engine, sizes["conversation_words"], sizes["repeats"])
+        progress("chunked prefill", 0.25)
+        out["chunked_prefill"] = chunked_prefill(engine, sizes["long_prompt_words"], sizes["chunks"])
+        progress("batching", 0.55)
+        out["batching"] = batching(engine, sizes["batch"])
+        progress("naive vs KV cache", 0.8)
+        out["naive"] = naive(engine, sizes["naive_position"])
+        progress("done", 1.0)
+        return out
+    finally:
+        engine.close()
+
+
+def _restore(engine: Engine, config: EngineConfig) -> None:
+    engine.update(prefix_cache=config.prefix_cache, chunk_size=config.chunk_size, kv_cache=config.kv_cache)
+
+
+def prefix_cache(engine: Engine, words: int, repeats: int) -> dict[str, Any]:
+    base = engine.config
+    turn1 = [{"role": "user", "content": "Here are my notes:\n" + filler_text(words) + "\nWhat is the main topic?"}]
+    greedy = SamplingParams(max_tokens=16, temperature=0)
+    ttft: dict[bool, list[float]] = {True: [], False: []}
+    info: dict[str, int] = {}
+    for _ in range(repeats):
+        for on in (True, False):
+            engine.update(prefix_cache=False)        # empties the prefix table
+            engine.update(prefix_cache=on)
+            first = engine.submit(turn1, greedy).result()
+            turn2 = turn1 + [{"role": "assistant", "content": first.text},
+                             {"role": "user", "content": "Say that in one word."}]
+            c = engine.submit(turn2, SamplingParams(max_tokens=1, temperature=0)).result()
+            ttft[on].append(c.metrics.ttft_ms)
+            if on:
+                info = {"prompt_tokens": c.metrics.prompt_tokens, "cached_prompt_tokens": c.metrics.cached_prompt_tokens}
+    _restore(engine, base)
+    on, off = median(ttft[True]), median(ttft[False])
+    return {**info, "ttft_on_ms": on, "ttft_off_ms": off, "ratio_on_off": ratio(on, off), "goal": "<= 0.15",
+            "met": ratio(on, off) <= 0.15}
+
+
+def chunked_prefill(engine: Engine, words: int, chunks: list[int | None]) -> dict[str, Any]:
+    base = engine.config
+    long_prompt = "Read this:\n" + filler_text(words, seed=1) + "\nSummarize it."
+    rows = []
+    for chunk in chunks:
+        engine.update(chunk_size=chunk, prefix_cache=False)   # the newcomer must really prefill
+        rows.append(_stutter(engine, long_prompt) | {"chunk_size": chunk})
+    _restore(engine, base)
+    default = next((r for r in rows if r["chunk_size"] == base.chunk_size), None)
+    return {"rows": rows, "default_chunk_size": base.chunk_size, "goal": "worst gap <= 5x median TPOT",
+            "met": default["worst_gap_over_tpot"] <= 5 if default else None}
+
+
+def _stutter(engine: Engine, long_prompt: str) -> dict[str, Any]:
+    stream = engine.submit("Tell me a very long story about a lighthouse keeper.",
+                           SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True))
+    times: list[float] = []
+    arrival = newcomer = done_at = None
+    for event in stream:
+        if isinstance(event, TokenEvent):
+            times.append(event.t)
+            if len(times) == 12 and newcomer is None:
+                arrival = time.perf_counter()
+                newcomer = engine.submit(long_prompt, SamplingParams(max_tokens=1, temperature=0))
+            if newcomer is not None and done_at is None and newcomer.done:
+                done_at = len(times)
+            if done_at is not None and len(times) >= done_at + 4:
+                stream.cancel()
+        elif isinstance(event, FinishEvent):
+            break
+    gaps = [(b - a) * 1000 for a, b in zip(times, times[1:])]
+    before = gaps[:10]
+    during = [(b - a) * 1000 for a, b in zip(times, times[1:]) if b > arrival]
+    tpot = median(before)
+    worst = max(during)
+    result = newcomer.result()
+    return {"median_tpot_ms": tpot, "worst_gap_ms": worst, "worst_gap_over_tpot": worst / tpot,
+            "newcomer_prompt_tokens": result.metrics.prompt_tokens, "newcomer_ttft_ms": result.metrics.ttft_ms}
+
+
+def batch_point(engine: Engine, count: int, max_tokens: int = 64) -> tuple[float, float]:
+    """`count` requests at once: (aggregate decode tok/s, median per-request TPOT ms)."""
+    topics = ["a dragon", "the sea", "a robot", "a city", "a forest", "the moon", "a violin", "a train"]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    prompts = [f"Write a story about {topics[i % len(topics)]} (part {i})." for i in range(count)]
+    results = engine.generate(prompts, params)
+    start = min(r.metrics.ttft_ms for r in results)   # decode phase: from the first token...
+    # ...to the last token of the slowest request, on one clock: ttft + decode time.
+    end = max(r.metrics.ttft_ms + (r.metrics.decode_ms or 0) for r in results)
+    tokens = sum(r.metrics.output_tokens - 1 for r in results)
+    return tokens / ((end - start) / 1000), median([r.metrics.tpot_ms for r in results])
+
+
+def batching(engine: Engine, n: int) -> dict[str, Any]:
+    rates, tpots = {}, {}
+    for count in (1, n):
+        rates[count], tpots[count] = batch_point(engine, count)
+    return {"requests": n, "decode_tok_s_1": rates[1], f"decode_tok_s_{n}": rates[n],
+            "ratio": rates[n] / rates[1], "tpot_ms_1": tpots[1], f"tpot_ms_{n}": tpots[n],
+            "goal": ">= 6x", "met": rates[n] / rates[1] >= 6}
+
+
+def naive(engine: Engine, position: int) -> dict[str, Any]:
+    base = engine.config
+    ids = engine.encode(filler_text(position))[:position]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    ms = {}
+    for kv in (True, False):
+        engine.update(kv_cache=kv, prefix_cache=False)
+        ms[kv] = engine.submit(ids, params).result().metrics.tpot_ms
+    _restore(engine, base)
+    return {"position": len(ids), "tpot_kv_cache_ms": ms[True], "tpot_naive_ms": ms[False],
+            "ratio_naive_over_kv": ms[False] / ms[True]}

@@ -1,0 +1,97 @@
+"""The state of a reply in flight, fed from the worker thread and read by UI timers.
+
+The UI never reacts per token: timers read `take_text()` and `snapshot()` a few times a second.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from pdchat.chatapp.backends.base import Done, Event, Phase, Token
+
+
+@dataclass
+class LiveSnapshot:
+    phase: str                      # queued | prefill | decode | done | cancelled | error
+    computed: int
+    total: int
+    cached: int
+    phase_ms: float                 # time spent in the current phase so far
+    ttft_ms: float | None
+    output_tokens: int
+    decode_tok_s: float | None
+    itl_ms: list[float] = field(default_factory=list)
+    metrics: dict[str, Any] | None = None
+
+
+class LiveReply:
+    def __init__(self, conversation_id: int, message_id: int, now: Callable[[], float]):
+        self.conversation_id = conversation_id
+        self.message_id = message_id
+        self.now = now
+        self._lock = threading.Lock()
+        self.phase = "queued"
+        self.computed = self.total = self.cached = 0
+        self.t_submit = self.t_phase = now()
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        self.text = ""
+        self._taken = 0
+        self.tokens = 0
+        self.itl: list[float] = []
+        self.done: Done | None = None
+        self.generation = None
+
+    def feed(self, ev: Event) -> None:
+        with self._lock:
+            if isinstance(ev, Phase):
+                if ev.phase != self.phase:
+                    self.t_phase = ev.t
+                if ev.phase == "queued":
+                    self.t_submit = ev.t
+                self.phase, self.computed, self.total, self.cached = ev.phase, ev.computed, ev.total, ev.cached
+            elif isinstance(ev, Token):
+                if self.t_first is None:
+                    self.t_first = ev.t
+                    if self.phase != "decode":
+                        self.phase, self.t_phase, self.computed = "decode", ev.t, self.total
+                elif self.t_last is not None and ev.t > self.t_last:
+                    self.itl.append((ev.t - self.t_last) * 1000)
+                self.tokens = max(self.tokens, ev.index + 1)
+                self.t_last = ev.t
+                self.text += ev.text
+            elif isinstance(ev, Done):
+                self.done = ev
+                self.text = ev.text if ev.text or not self.text else self.text
+                self.phase = {"cancelled": "cancelled", "error": "error"}.get(ev.finish_reason, "done")
+
+    def take_text(self) -> str:
+        """Text not yet handed to the UI (for MarkdownStream)."""
+        with self._lock:
+            out = self.text[self._taken:]
+            self._taken = len(self.text)
+            return out
+
+    def full_text(self) -> str:
+        with self._lock:
+            return self.text
+
+    def snapshot(self) -> LiveSnapshot:
+        with self._lock:
+            now = self.now()
+            end = self.t_last if self.done else now
+            rate = None
+            if self.t_first is not None and self.tokens > 1 and self.t_last and self.t_last > self.t_first:
+                rate = (self.tokens - 1) / (self.t_last - self.t_first)
+            return LiveSnapshot(
+                phase=self.phase, computed=self.computed, total=self.total, cached=self.cached,
+                phase_ms=max(0.0, ((end or now) - self.t_phase) * 1000),
+                ttft_ms=(self.t_first - self.t_submit) * 1000 if self.t_first is not None else None,
+                output_tokens=self.tokens, decode_tok_s=rate, itl_ms=list(self.itl),
+                metrics=self.done.metrics if self.done else None)
+
+    def taken_text(self) -> str:
+        """The text already handed to the UI (to rebuild a view when switching back)."""
+        with self._lock:
+            return self.text[: self._taken]

@@ -1,0 +1,84 @@
+"""One chat message: a header (role, status), Markdown body (streamed while growing), summary."""
+from __future__ import annotations
+
+import re
+
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widgets import Label, Markdown, Static
+
+from pdchat.chatapp import format as fmt
+
+CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+CODE_BLOCK = re.compile(r"```[^\n]*\n(.*?)```", re.S)
+
+STATUS_LABEL = {"cancelled": "cancelled", "error": "error", "interrupted": "interrupted",
+                "streaming": "…", "done": ""}
+
+
+def clean(text: str) -> str:
+    """What the terminal may show: control characters (random models emit them) become \ufffd."""
+    return CONTROL.sub("\ufffd", text)
+
+
+def code_blocks(text: str) -> list[str]:
+    return [m.group(1).rstrip("\n") for m in CODE_BLOCK.finditer(text)]
+
+
+class MessageView(Vertical, can_focus=True):
+    """A message; assistant replies stream into the Markdown body and end with a summary line."""
+
+    def __init__(self, role: str, content: str, *, message_id: int | None = None, status: str = "done",
+                 metrics: dict | None = None):
+        super().__init__(classes=f"message {role}")
+        self.role = role
+        self.content = content
+        self.message_id = message_id
+        self.status = status
+        self.metrics = metrics
+        self._stream = None
+
+    def compose(self) -> ComposeResult:
+        yield Label(self._header(), classes="message-header")
+        yield Markdown(clean(self.content), classes="message-body")
+        yield Static(fmt.summary(self.metrics), classes="message-summary")
+
+    def on_mount(self) -> None:
+        self._sync()
+
+    def _header(self) -> str:
+        who = {"user": "You", "assistant": "Assistant", "system": "System"}.get(self.role, self.role)
+        label = STATUS_LABEL.get(self.status, self.status)
+        return f"{who} · {label}" if label else who
+
+    def _sync(self) -> None:
+        self.query_one(".message-header", Label).update(self._header())
+        summary = self.query_one(".message-summary", Static)
+        summary.update(fmt.summary(self.metrics))
+        summary.display = bool(self.metrics)
+        self.set_class(self.status in ("cancelled", "error", "interrupted"), f"-{self.status}")
+
+    # ---- streaming ----------------------------------------------------------------------------
+    def start_stream(self) -> None:
+        self.status = "streaming"
+        self._sync()
+        self._stream = Markdown.get_stream(self.query_one(".message-body", Markdown))
+
+    async def append(self, fragment: str) -> None:
+        if fragment:
+            self.content += fragment
+            if self._stream is not None:
+                await self._stream.write(clean(fragment))
+
+    async def finish(self, text: str, status: str, metrics: dict | None) -> None:
+        """End the stream, then one final full render of the whole text."""
+        if self._stream is not None:
+            await self._stream.stop()
+            self._stream = None
+        self.content, self.status, self.metrics = text, status, metrics
+        await self.query_one(".message-body", Markdown).update(clean(text))
+        self._sync()
+
+    async def set_content(self, text: str) -> None:
+        self.content = text
+        await self.query_one(".message-body", Markdown).update(clean(text))

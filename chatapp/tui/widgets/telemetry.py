@@ -1,0 +1,211 @@
+"""The telemetry panel: phase, latency numbers, sparklines, timeline, KV cache, spec, device.
+
+Pure rendering from (engine stats dict, LiveSnapshot, last metrics); the screen calls update()
+from an interval timer a few times a second, never per token.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from rich.text import Text
+from textual.containers import VerticalScroll
+from textual.widgets import Static
+
+from pdchat.themes import roles
+
+from pdchat.chatapp import format as fmt
+from pdchat.chatapp.tui.live import LiveSnapshot
+
+WIDTH = 34
+
+
+def _row(t: Text, label: str, value: str, style: str = "") -> None:
+    t.append(f"{label:<13}", style="dim")
+    t.append(value + "\n", style=style)
+
+
+class TelemetryPanel(VerticalScroll):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.device_history: deque[float] = deque(maxlen=WIDTH)
+        self.width_cells = WIDTH
+        self._sampled_at: float | None = None
+
+    def compose(self):
+        for name in ("phase", "latency", "timeline", "kv", "batch", "spec", "device"):
+            yield Static(id=f"tm-{name}", classes="tm-section")
+
+    def on_mount(self) -> None:
+        titles = {"phase": "Reply", "latency": "Latency", "timeline": "Timeline (last reply)",
+                  "kv": "KV cache", "batch": "Batch", "spec": "Speculative decoding", "device": "Device"}
+        for name, title in titles.items():
+            self.query_one(f"#tm-{name}").border_title = title
+
+    def _put(self, name: str, text: Text) -> None:
+        text.rstrip()
+        self.query_one(f"#tm-{name}", Static).update(text)
+
+    def update_data(self, stats: dict[str, Any], live: LiveSnapshot | None, last: dict | None,
+                    caps: dict[str, bool], toggles: dict[str, Any], conv_tokens: int = 0,
+                    now: float | None = None) -> None:
+        c = roles(self.app)
+        w = max(10, self.size.width - 4) if self.size.width else WIDTH
+        self.width_cells = w
+        self._put("phase", self._phase(live, last, c, w))
+        self._put("latency", self._latency(live, last, c, w))
+        self._put("timeline", self._timeline(live, last, c, w))
+        self._put("kv", self._kv(stats, c, w, conv_tokens))
+        self._put("batch", self._batch(stats))
+        self._put("spec", self._spec(last, caps, toggles))
+        self._put("device", self._device(stats, c, w, now))
+
+    # ---- sections -------------------------------------------------------------------------------
+    def _phase(self, live: LiveSnapshot | None, last: dict | None, c: dict, w: int) -> Text:
+        t = Text()
+        if live is None:
+            reason = (last or {}).get("finish_reason")
+            t.append(f"✓ last reply: {reason}" if reason else "idle", style="dim")
+            return t
+        p = live.phase
+        if p == "queued":
+            t.append("○ QUEUED ", style="bold")
+            t.append(fmt.ms(live.phase_ms))
+        elif p == "prefill":
+            t.append("● PREFILL ", style=f"bold {c['prefill']}")
+            t.append(f"{fmt.ms(live.phase_ms)}\n")
+            t.append(f"{live.computed:,}/{live.total:,} prompt tok")
+            if live.cached:
+                t.append(f" ({live.cached:,} cached)", style=c["cached"])
+            t.append("\n")
+            total = max(1, live.total)
+            cached, done = fmt.bar([live.cached / total, (live.computed - live.cached) / total], w)
+            t.append("█" * cached, style=c["cached"])
+            t.append("█" * done, style=c["prefill"])
+            t.append("░" * (w - cached - done), style="dim")
+        elif p == "decode":
+            t.append("● DECODE ", style=f"bold {c['decode']}")
+            t.append(f"{fmt.rate(live.decode_tok_s)}\n")
+            t.append(f"{live.output_tokens:,} tok · TTFT {fmt.ms(live.ttft_ms)}")
+        else:
+            mark = {"done": "✓ done", "cancelled": "■ cancelled", "error": "✗ error"}.get(p, p)
+            t.append(mark, style="bold")
+        return t
+
+    def _latency(self, live: LiveSnapshot | None, last: dict | None, c: dict, w: int) -> Text:
+        m = last or {}
+        if live is not None and live.metrics is None:
+            m = {"ttft_ms": live.ttft_ms, "decode_tok_s": live.decode_tok_s, "itl_ms": live.itl_ms,
+                 "prefill_tok_s": None, "tpot_ms": (sum(live.itl_ms) / len(live.itl_ms)) if live.itl_ms else None}
+        t = Text()
+        _row(t, "TTFT", fmt.ms(m.get("ttft_ms")), c["prefill"])
+        _row(t, "prefill", fmt.rate(m.get("prefill_tok_s")), c["prefill"])
+        _row(t, "decode", fmt.rate(m.get("decode_tok_s")), c["decode"])
+        _row(t, "TPOT", fmt.ms(m.get("tpot_ms")), c["decode"])
+        itl = m.get("itl_ms") or []
+        t.append(f"{'ITL':<13}", style="dim")
+        t.append((fmt.sparkline(itl, w - 13) or fmt.NA) + "\n", style=c["decode"])
+        t.append(f"{'tok/s':<13}", style="dim")
+        t.append(fmt.sparkline([1000 / v for v in itl if v], w - 13) or fmt.NA, style=c["decode"])
+        return t
+
+    def _timeline(self, live: LiveSnapshot | None, last: dict | None, c: dict, w: int) -> Text:
+        t = Text()
+        m = last or {}
+        pre = m.get("ttft_ms")
+        dec = m.get("decode_ms") or 0.0
+        if live is not None and live.metrics is None:
+            if live.ttft_ms is None:
+                pre, dec = live.phase_ms, 0.0
+            else:
+                pre, dec = live.ttft_ms, live.phase_ms
+        if pre is None:
+            t.append(fmt.NA, style="dim")
+            return t
+        total = max(pre + dec, 1e-9)
+        a, b = fmt.bar([pre / total, dec / total], w)
+        a = max(a, 1)
+        b = min(b, w - a)
+        t.append("▇" * a, style=c["prefill"])
+        t.append("▇" * b, style=c["decode"])
+        t.append("\n")
+        t.append(f"pause {fmt.ms(pre)}", style=c["prefill"])
+        t.append(" · ")
+        t.append(f"stream {fmt.ms(dec)}", style=c["decode"])
+        return t
+
+    def _kv(self, s: dict, c: dict, w: int, conv_tokens: int) -> Text:
+        t = Text()
+        total = s.get("kv_blocks_total")
+        if not total:
+            t.append(fmt.NA, style="dim")
+            return t
+        used, cached = s.get("kv_blocks_used") or 0, s.get("kv_blocks_cached") or 0
+        free = max(0, total - used - cached)
+        u, k = fmt.bar([used / total, cached / total], w)
+        t.append("█" * u, style=c["kv"])
+        t.append("█" * k, style=c["cached"])
+        t.append("░" * (w - u - k) + "\n", style="dim")
+        t.append(f"{used:,} used", style=c["kv"])
+        t.append(" · ")
+        t.append(f"{cached:,} cached", style=c["cached"])
+        t.append(f" · {free:,} free\n")
+        _row(t, "memory", f"{fmt.size(s.get('kv_bytes_used'))} / {fmt.size(s.get('kv_bytes_total'))}")
+        bpt = s.get("kv_bytes_per_token")
+        _row(t, "per token", fmt.size(bpt))
+        share = None
+        if bpt and s.get("kv_bytes_total") and conv_tokens:
+            share = 100 * conv_tokens * bpt / s["kv_bytes_total"]
+        _row(t, "this chat", f"{conv_tokens:,} tok ({fmt.pct(share) if share is None or share >= 1 else '<1%'})")
+        t.append(f"{'hit rate':<13}", style="dim")
+        hr = s.get("prefix_hit_rate")
+        t.append(fmt.pct(None if hr is None else 100 * hr))
+        return t
+
+    def _batch(self, s: dict) -> Text:
+        t = Text()
+        _row(t, "running", fmt.count(s.get("running")))
+        _row(t, "waiting", fmt.count(s.get("waiting")))
+        t.append(f"{'step':<13}", style="dim")
+        t.append(fmt.ms(s.get("step_ms")))
+        return t
+
+    def _spec(self, last: dict | None, caps: dict, toggles: dict) -> Text:
+        t = Text()
+        if not caps.get("spec"):
+            t.append("unavailable", style="dim")
+            return t
+        method = toggles.get("spec", "off")
+        if method == "off":
+            t.append("off", style="dim")
+            return t
+        m = last or {}
+        drafted, accepted = m.get("spec_drafted") or 0, m.get("spec_accepted") or 0
+        _row(t, "method", method)
+        _row(t, "acceptance", fmt.pct(100 * accepted / drafted if drafted else None))
+        steps = max(1, (m.get("output_tokens") or 0) - accepted)
+        t.append(f"{'mean accept':<13}", style="dim")
+        t.append(f"{(m.get('output_tokens') or 0) / steps:.2f} tok/step" if drafted else fmt.NA)
+        return t
+
+    def _device(self, s: dict, c: dict, w: int, now: float | None) -> Text:
+        t = Text()
+        device = s.get("device") or fmt.NA
+        gpu = device.startswith("cuda")
+        util = s.get("device_util_pct") if gpu else s.get("cpu_util_pct")
+        # one sample per 0.2 s of the backend's clock (a fake clock that stands still adds none)
+        if util is not None and (now is None or self._sampled_at is None or now - self._sampled_at >= 0.2):
+            self.device_history.append(util)
+            self._sampled_at = now
+        t.append(f"{(s.get('device_name') or device)}\n", style=f"bold {c['gpu']}")
+        _row(t, "GPU util" if gpu else "CPU util", fmt.pct(util), c["gpu"])
+        spark = fmt.sparkline(list(self.device_history) + [100.0], w - 13)[:-1] if self.device_history else ""
+        t.append(" " * 13 + (spark or fmt.NA) + "\n", style=c["gpu"])
+        if gpu:
+            _row(t, "memory", f"{fmt.size(s.get('device_mem_used'))} / {fmt.size(s.get('device_mem_total'))}")
+            p = s.get("device_power_w")
+            _row(t, "power", fmt.NA if p is None else f"{p:,.0f} W")
+        _row(t, "RSS", fmt.size(s.get("rss_bytes")))
+        t.append(f"{'weights':<13}", style="dim")
+        t.append(fmt.size(s.get("weight_bytes")))
+        return t

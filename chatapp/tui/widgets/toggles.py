@@ -1,0 +1,145 @@
+"""The toggles panel: one control per toggle of the settings declaration (pdchat.engine.settings),
+each with its one-line explanation. On/off settings are switches, choices are selects, numbers
+are boxes checked by the declaration; a number that can be off ("chunk size: off") has both.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from textual.app import ComposeResult
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.widgets import Input, Label, Select, Static, Switch
+
+from pdchat.chatapp.backends.base import Toggles
+from pdchat.engine.settings import TOGGLES, Setting
+
+
+_REFUSED = object()
+
+
+def _can_be_off(s: Setting) -> bool:
+    return s.kind is int and any(v is None for _, v in s.words)
+
+
+def _text(s: Setting, value: Any) -> str:
+    """A number setting's value as its box shows it (a word where the value has one)."""
+    word = next((w for w, v in s.words if v == value and type(v) is type(value) and v is not None), None)
+    return word or str(value)
+
+
+class TogglesBox(Vertical):
+    class Changed(Message):
+        def __init__(self, changes: dict[str, Any]):
+            super().__init__()
+            self.changes = changes
+
+    def __init__(self, toggles: Toggles, caps: dict[str, bool], **kwargs):
+        super().__init__(**kwargs)
+        self.toggles = toggles
+        self.caps = caps
+        self._quiet = True           # no Changed events for the initial values
+
+    def on_mount(self) -> None:
+        self.call_after_refresh(self._unquiet)
+
+    def compose(self) -> ComposeResult:
+        for s in TOGGLES:
+            yield from self._control(s, getattr(self.toggles, s.name), not self.caps.get(s.name))
+
+    def _control(self, s: Setting, value: Any, disabled: bool) -> ComposeResult:
+        label = Label(s.title + (" (unavailable)" if disabled else ""), classes="tg-label")
+        with Horizontal(classes="tg-row"):
+            if s.kind is bool:
+                yield Switch(value, id=f"tg-{s.name}", disabled=disabled)
+                yield label
+            elif s.choices:
+                yield label
+                yield Select([(c, c) for c in s.choices], value=value, allow_blank=False, id=f"tg-{s.name}",
+                             disabled=disabled)
+            else:
+                if _can_be_off(s):
+                    yield Switch(value is not None, id=f"tg-{s.name}-on", disabled=disabled)
+                yield label
+                shown = s.default if value is None else value
+                yield Input(_text(s, shown), id=f"tg-{s.name}", disabled=disabled, max_length=8)
+        yield Static(s.help, id=f"tg-{s.name}-help", classes="tg-help")
+
+    def set_caps(self, caps: dict[str, bool], toggles: Toggles) -> None:
+        """New backend: rebuild the controls for its capabilities."""
+        if caps == self.caps and toggles == self.toggles:
+            return
+        self.caps, self.toggles = caps, toggles
+        self._quiet = True
+        self.refresh(recompose=True)
+        self.call_after_refresh(self._unquiet)
+
+    def set_values(self, toggles: Toggles) -> None:
+        """Reflect toggles changed elsewhere (command palette) without re-sending them."""
+        self.toggles = toggles
+        self._quiet = True
+        try:
+            for s in TOGGLES:
+                value = getattr(toggles, s.name)
+                if s.kind is bool or s.choices:
+                    self.query_one(f"#tg-{s.name}").value = value
+                    continue
+                if _can_be_off(s):
+                    self.query_one(f"#tg-{s.name}-on", Switch).value = value is not None
+                if value is not None:
+                    self.query_one(f"#tg-{s.name}", Input).value = _text(s, value)
+        finally:
+            self.call_after_refresh(self._unquiet)
+
+    def _unquiet(self) -> None:
+        self._quiet = False
+
+    def _send(self, **changes: Any) -> None:
+        if not self._quiet:
+            self.post_message(self.Changed(changes))
+
+    def _read(self, s: Setting) -> Any:
+        """The box's value; _REFUSED (and the box marked, its reason under it) when the text is refused."""
+        box = self.query_one(f"#tg-{s.name}", Input)
+        help_line = self.query_one(f"#tg-{s.name}-help", Static)
+        try:
+            value = s.read(box.value or _text(s, s.default))
+        except ValueError as e:
+            box.add_class("-invalid")
+            help_line.update(f"{s.title}: {e}")
+            help_line.add_class("-error")
+            return _REFUSED
+        box.remove_class("-invalid")
+        help_line.update(s.help)
+        help_line.remove_class("-error")
+        return value
+
+    def on_switch_changed(self, event: Switch.Changed) -> None:
+        event.stop()
+        name = event.switch.id.removeprefix("tg-")
+        if name.endswith("-on"):                          # a number that can be off
+            s = next(t for t in TOGGLES if t.name == name.removesuffix("-on"))
+            value = self._read(s) if event.value else None
+            if value is not _REFUSED:
+                self._send(**{s.name: value})
+        else:
+            self._send(**{name: event.value})
+
+    def on_select_changed(self, event: Select.Changed) -> None:
+        event.stop()
+        self._send(**{event.select.id.removeprefix("tg-"): event.value})
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        s = next(t for t in TOGGLES if t.name == event.input.id.removeprefix("tg-"))
+        value = self._read(s)
+        if value is _REFUSED:
+            return
+        if _can_be_off(s):
+            switch = self.query_one(f"#tg-{s.name}-on", Switch)
+            if value is None:                  # "off" typed: the switch's change sends it
+                switch.value = False
+                return
+            if not switch.value:               # kept for when it is switched on
+                return
+        self._send(**{s.name: value})
