@@ -234,8 +234,10 @@ class Engine:
             self.monitor.stop()
         # Weights and the KV pool are nearly all of the engine's memory: let them go even while a
         # caller still holds this object, and return the pages (a model switch must not keep both).
+        # The model goes before the KV pool: the other order left glibc a vocabulary-sized hole.
         self.speculative.close()
-        self.precision = self.loaded = self.runner = None
+        self.precision.release()
+        self.loaded = self.runner = None
         release_freed_memory(self.device)
 
     def __enter__(self) -> "Engine":

@@ -18,7 +18,6 @@ class WeightPrecision:
         self.files = files
         self.device = device
         self.dtype = dtype
-        self.mode = "none"
         self.read_bytes = quant.decode_read_bytes(loaded.model, loaded.quant)   # per decode step
 
     @property
@@ -47,5 +46,8 @@ class WeightPrecision:
             mode = "none"
         self.loaded.quant.int8 = mode == "int8"
         self.read_bytes = quant.decode_read_bytes(self.loaded.model, self.loaded.quant)
-        self.mode = mode
         return mode
+
+    def release(self) -> None:
+        """Drop the model (the engine is closing); the figures stay readable."""
+        self.loaded = self.files = None

@@ -20,8 +20,6 @@ from .scheduler import ScheduledSeq
 from .sequence import Sequence
 from .spec import AdaptiveK, Draft, DraftProposer, NgramProposer, Proposer, verify
 
-MODES = ("off", "ngram", "draft")
-
 
 class SpeculativeDecoder:
     def __init__(self, target: LoadedModel, precision: WeightPrecision, *, target_name: str, spec_tokens: int,
@@ -32,7 +30,6 @@ class SpeculativeDecoder:
         self.draft_model = draft_model
         self.adaptive = AdaptiveK(spec_tokens)
         self.proposer: Proposer | None = None
-        self.mode = "off"
         self._runner: ModelRunner | None = None
         # A separate draft model is loaded with the target, so the KV pool is sized for both.
         self._draft = self._load_draft(seed, say) if load_draft_now else None
@@ -62,7 +59,7 @@ class SpeculativeDecoder:
             proposer = NgramProposer()
         elif mode == "draft":
             proposer = self._draft_proposer(blocks)
-        self.proposer, self.mode = proposer, mode
+        self.proposer = proposer
 
     def _draft_proposer(self, blocks: BlockManager) -> DraftProposer:
         if self._draft is None and not self.precision.ensure_int8():

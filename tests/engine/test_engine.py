@@ -151,3 +151,12 @@ def test_batch_size_limit_holds_even_with_unfinished_prefills():
             time.sleep(0.001)
         assert most == 2
         assert all(len(s.result().token_ids) == 30 for s in streams)
+
+
+def test_stats_still_answer_after_close():
+    from pdchat.engine import Engine
+    engine = Engine(model="random:tiny", device="cpu", telemetry=False, kv_cache_mb=8)
+    before = engine.stats()
+    engine.close()
+    after = engine.stats()
+    assert after.weight_bytes == before.weight_bytes > 0 and after.running == 0
