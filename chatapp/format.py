@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdchat.engine import settings
+
 NA = "n/a"
 BARS = "▁▂▃▄▅▆▇█"
 
@@ -53,7 +55,21 @@ def summary(m: dict[str, Any] | None, prefill_rate: bool = False) -> str:
         parts.append(f"spec {acc}")
     if m.get("finish_reason") and m["finish_reason"] not in ("stop",):
         parts.append(str(m["finish_reason"]))
+    if m.get("made_with"):
+        parts.append(made_with(m["made_with"]))
     return " · ".join(parts)
+
+
+def made_with(w: dict[str, Any]) -> str:
+    """What produced a reply: "model on device", then each toggle that differed from its default."""
+    out = [f"{w.get('model') or 'model n/a'} on {w.get('device') or 'n/a'}"]
+    for name, value in (w.get("changed") or {}).items():
+        try:
+            title = settings.get(name).title
+        except KeyError:                  # a setting saved by another version of pdchat
+            title = name
+        out.append(f"{title} {'off' if value is None or value is False else 'on' if value is True else value}")
+    return ", ".join(out)
 
 
 def sparkline(values: list[float], width: int) -> str:

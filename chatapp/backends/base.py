@@ -13,6 +13,10 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Iterator
 
 from pdchat.engine import settings
+from pdchat.engine.settings import TOGGLES
+
+__all__ = ["CAPABILITIES", "TOGGLES", "Backend", "Done", "Event", "Generation", "Phase", "Progress", "Settings",
+           "Toggles", "Token"]
 
 Progress = Callable[[str], None]
 

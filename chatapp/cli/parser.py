@@ -48,11 +48,20 @@ BACKEND_HELP = ("an OpenAI-compatible server (pdchat serve, vLLM, SGLang, llama.
                 "local engine; API key from $PDCHAT_API_KEY or $OPENAI_API_KEY")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("pdchat")
+    except PackageNotFoundError:          # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     shared = shared_flags()
     parser = _Parser(
         prog="pdchat", parents=[shared],
         description="Chat with a local LLM and watch prefill, decode, the KV cache and the device live.")
+    parser.add_argument("--version", action="version", version=f"pdchat {_version()}")
     parser.add_argument("--backend", metavar="URL", default=None, help=BACKEND_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     run = sub.add_parser("run", parents=[shared], help="one turn headless: stream the answer, then a summary")

@@ -309,3 +309,46 @@ async def test_model_picker_lists_models_and_switches(make_app):
         app.screen.query_one("#model-input").value = "random:tiny"
         await pilot.press("enter")
         await wait_for(pilot, lambda: made[-1] == "random:tiny")
+
+
+async def test_each_reply_records_what_made_it(make_app):
+    # The summary line, the database and the export say which model, device and non-default
+    # toggles produced a reply: a reply made in naive mode says so even after KV cache is back on.
+    backend = FakeBackend(replies=["first", "second"])
+    app = make_app(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await app.apply_toggles({"kv_cache": False, "chunk_size": None}, quiet=True)
+        await send(pilot, "one")
+        await idle(pilot)
+        await app.apply_toggles({"kv_cache": True}, quiet=True)
+        await send(pilot, "two")
+        await idle(pilot)
+        first, second = [m for m in app.store.messages(app.chat.conv_id) if m.role == "assistant"]
+        device = backend.stats()["device"]
+        assert first.metrics["made_with"] == {"model": backend.model, "device": device,
+                                              "changed": {"kv_cache": False, "chunk_size": None}}
+        assert second.metrics["made_with"]["changed"] == {"chunk_size": None}
+        views = [v for v in app.chat.query(MessageView) if v.role == "assistant"]
+        summary = str(views[0].query_one(".message-summary").render())
+        assert f"{backend.model} on {device}, KV cache off, prefill chunk off" in summary
+        assert "KV cache" not in str(views[1].query_one(".message-summary").render())
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert "KV cache off" in app.chat.last_export.read_text()
+
+
+async def test_new_chat_reuses_an_empty_one(make_app):
+    app = make_app(FakeBackend())
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("ctrl+n")
+        await pilot.press("ctrl+n")
+        await pilot.press("ctrl+n")
+        await pilot.pause()
+        assert len(app.store.conversations()) == 1
+        await send(pilot, "hello")
+        await idle(pilot)
+        await pilot.press("ctrl+n")
+        await pilot.pause()
+        assert len(app.store.conversations()) == 2

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from pdchat.chatapp.cli.main import main
+from pdchat.chatapp.cli.parser import build_parser
 from pdchat.engine.metrics import RequestMetrics
 
 METRIC_FIELDS = set(RequestMetrics.__dataclass_fields__)
@@ -127,3 +128,12 @@ def test_default_model_json_metrics_agree_with_a_stopwatch(default_engine):
     # What the engine measured fits inside what the outside clock saw.
     assert m["ttft_ms"] + m["decode_ms"] < wall_ms
     assert m["output_tokens"] == len(data["token_ids"]) and m["prompt_tokens"] > 10
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"pdchat {version('pdchat')}"
+    assert main(["--version"]) == 0

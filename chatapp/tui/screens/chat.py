@@ -125,8 +125,11 @@ class ChatScreen(ChatActions, Screen):
             self.query_one("#input").focus()
 
     def new_conversation(self) -> int:
-        conv = self.store.create_conversation("New chat", {})
-        return conv.id
+        """A new conversation, or the current one while it is still empty (Ctrl+N again and
+        again must not pile up empty chats)."""
+        if self.conv_id is not None and self.conv_id not in self.live and not self.store.messages(self.conv_id):
+            return self.conv_id
+        return self.store.create_conversation("New chat", {}).id
 
     async def open_conversation(self, conv_id: int) -> None:
         self.conv_id = conv_id

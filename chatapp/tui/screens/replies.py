@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from textual.containers import VerticalScroll
 from textual.message import Message
 
-from pdchat.chatapp.backends.base import Done
+from pdchat.chatapp.backends.base import TOGGLES, Done
 from pdchat.chatapp.tui.live import LiveReply
 from pdchat.chatapp.tui.widgets.messages import MessageView
 
@@ -48,6 +48,7 @@ class Replies:
         live = LiveReply(conv_id, msg.id, screen.backend.now)
         live.generation = gen
         live.label = label
+        live.made_with = self._made_with()
         self.live[conv_id] = live
         if conv_id == screen.conv_id:
             await self.show(live)
@@ -61,6 +62,18 @@ class Replies:
         await self.screen.query_one("#messages").mount(view)
         view.start_stream()
         self.stream_view = view
+
+    def _made_with(self) -> dict:
+        """What produces the reply, kept with it (summary, database, export): the model, the
+        device, and every toggle that differs from its declared default."""
+        app = self.screen.app
+        try:
+            device = app.backend.stats().get("device") if app.ready else None
+        except Exception:                             # telemetry never stops a reply
+            device = None
+        changed = {s.name: getattr(app.toggles, s.name) for s in TOGGLES
+                   if getattr(app.toggles, s.name) != s.default}
+        return {"model": app.backend.model, "device": device, "changed": changed}
 
     def _consume(self, live: LiveReply) -> None:
         """Worker thread: drain the generation into the LiveReply."""
@@ -101,6 +114,7 @@ class Replies:
         metrics = dict(done.metrics or {})
         if getattr(live, "label", None):
             metrics["label"] = live.label
+        metrics["made_with"] = live.made_with
         screen.store.update_message(live.message_id, content=text, status=status, metrics=metrics)
         self.live.pop(live.conversation_id, None)
         if view is not None:
