@@ -22,6 +22,7 @@ ACTIONS = [  # (title, help, action on the chat screen)
     ("Show/hide toggles", "Optimization toggles panel (Ctrl+T)", "toggles"),
     ("Compare prefix cache", "Re-run the last prompt with prefix caching flipped (Ctrl+G)", "compare"),
     ("Search conversations", "Filter the conversation list (Ctrl+F)", "search"),
+    ("Follow the reply", "Jump to the latest text and keep following it (Ctrl+End)", "follow"),
     ("Rename conversation", "F2", "rename"),
     ("Delete conversation", "F8", "delete_chat"),
     ("Conversation settings", "System prompt and sampling (F3)", "settings"),

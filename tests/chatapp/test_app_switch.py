@@ -106,7 +106,7 @@ async def test_old_model_closes_only_after_its_running_reply(make_app):
         assert not old.closed                          # it is still streaming
         old.release()
         await idle(pilot)
-        assert old.closed
+        await wait_for(pilot, lambda: old.closed)      # the app hears of the reply's end by a message
         reply = app.store.messages(app.chat.conv_id)[-1]
         assert (reply.content, reply.status) == ("one two three", "done")
 

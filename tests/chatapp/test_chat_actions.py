@@ -35,7 +35,7 @@ async def test_send_streams_reply_with_summary_and_saves_it(make_app):
         reply = list(app.chat.query(MessageView))[-1]
         summary = str(reply.query_one(".message-summary").render())
         # fake clock: 20 prompt tokens at 0.5 ms + 2 ms queue; 32 ms per token after the first
-        assert summary == "TTFT 12 ms · 20 prompt tok · 7 tok @ 31.2 tok/s · TPOT 32 ms"
+        assert summary == "TTFT 12 ms · 20 prompt tok · 7 tok @ 31.2 tok/s · TPOT 32 ms · fake-model on cpu"
         assert app.chat.query_one("#input").text == ""
         msgs = app.store.messages(app.chat.conv_id)
         assert [m.role for m in msgs] == ["user", "assistant"]
@@ -352,3 +352,38 @@ async def test_new_chat_reuses_an_empty_one(make_app):
         await pilot.press("ctrl+n")
         await pilot.pause()
         assert len(app.store.conversations()) == 2
+
+
+async def test_the_chat_follows_the_stream_until_the_user_scrolls_up(make_app):
+    long_reply = "\n\n".join(f"Paragraph {i} of a long reply." for i in range(40))
+    backend = FakeBackend(replies=[long_reply, long_reply], hold="decode:200")
+    app = make_app(backend)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await ready(pilot)
+        box = app.chat.query_one("#messages")
+        await send(pilot, "tell me")
+        await wait_for(pilot, backend.held.is_set)
+        await pilot.pause(0.2)
+        assert box.max_scroll_y > 0 and box.scroll_y == box.max_scroll_y      # following
+        backend.release()
+        await idle(pilot)
+        await pilot.pause(0.2)
+        # the end of the reply and its summary line are on screen
+        assert box.scroll_y == box.max_scroll_y
+        summary = [v for v in app.chat.query(MessageView) if v.role == "assistant"][-1].query_one(".message-summary")
+        assert summary.region.y < 24 and summary.region.height > 0
+        # scrolled up by the user: a new reply does not pull the view down...
+        backend.held.clear()
+        backend.hold = "decode:200"
+        await send(pilot, "again")
+        await wait_for(pilot, backend.held.is_set)
+        box.scroll_home(animate=False)
+        await pilot.pause(0.1)
+        backend.release()
+        await idle(pilot)
+        await pilot.pause(0.2)
+        assert box.scroll_y == 0
+        # ...until Ctrl+End, which jumps to the end and follows again
+        await pilot.press("ctrl+end")
+        await pilot.pause(0.2)
+        assert box.scroll_y == box.max_scroll_y > 0

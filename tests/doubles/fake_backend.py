@@ -12,6 +12,7 @@ import re
 import threading
 from typing import Any, Iterator
 
+from pdchat.engine.resources import CPU_CHUNK
 from pdchat.chatapp.backends.base import CAPABILITIES, Backend, Done, Generation, Phase, Settings, Token
 
 GB = 1024 ** 3
@@ -65,6 +66,8 @@ class FakeGeneration(Generation):
         clock.advance(0.002)
         t_sched = clock.t
         chunk = b.toggles["chunk_size"] or total
+        if chunk == "auto":                        # as the engine resolves it on a CPU
+            chunk = CPU_CHUNK
         computed = cached
         yield Phase("prefill", computed, total, cached, clock.t)
         while computed < total and not self.cancelled.is_set():

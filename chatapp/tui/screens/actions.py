@@ -164,6 +164,10 @@ class ChatActions:
         await self.open_conversation(self.new_conversation())
         self.query_one("#input").focus()
 
+    def action_follow(self: "ChatScreen") -> None:
+        """Jump to the latest text and follow the stream again."""
+        self.query_one("#messages", VerticalScroll).scroll_end(animate=False)
+
     def action_search(self: "ChatScreen") -> None:
         self.query_one("#search").focus()
 

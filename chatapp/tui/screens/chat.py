@@ -39,6 +39,7 @@ BINDINGS = [
     B("ctrl+t", "toggles", "Toggles", id="toggles", priority=True),
     B("ctrl+g", "compare", "Compare", id="compare", priority=True, show=False),
     B("ctrl+f", "search", "Search", id="search", priority=True, show=False),
+    B("ctrl+end", "follow", "Follow", id="follow", priority=True, show=False),
     B("f1", "help", "Help", id="help"),
     B("f2", "rename", "Rename", id="rename", show=False),
     B("f3", "settings", "Settings", id="settings", show=False),
@@ -80,6 +81,9 @@ class ChatScreen(ChatActions, Screen):
         self.refresh_list()
         if convs:
             self.call_after_refresh(self.open_conversation, convs[0].id)
+        # Anchored: the list follows a growing reply (and its summary line) while the user is at
+        # the bottom; scrolling up lets go, scrolling back down or Ctrl+End follows again.
+        self.query_one("#messages", VerticalScroll).anchor()
         self.set_interval(PUMP_S, self.replies.pump)
         self.set_interval(PANEL_S, self.refresh_panel)
         self.refresh_panel()

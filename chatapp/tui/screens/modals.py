@@ -26,6 +26,7 @@ HELP = """\
 | Ctrl+T | show / hide the optimization toggles |
 | Ctrl+G | compare: re-run the last prompt with prefix caching flipped |
 | Ctrl+F | search conversations |
+| Ctrl+End | jump to the latest text and follow the reply again (scrolling up stops following) |
 | F2 / F8 | rename / delete the conversation |
 | F3 | conversation settings (system prompt, sampling) |
 | F4 | switch model |

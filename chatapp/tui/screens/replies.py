@@ -88,11 +88,11 @@ class Replies:
             live.feed(Done(live.full_text(), "error", {}, f"{type(e).__name__}: {e}"))
 
     async def pump(self) -> None:
-        """Timer: move new text into the view, save growing replies, finish completed ones."""
+        """Timer: move new text into the view, save growing replies, finish completed ones. The
+        message list is anchored (ChatScreen): it follows the text while the user is at the
+        bottom, and stays put once they scroll up."""
         screen = self.screen
-        box = screen.query_one("#messages", VerticalScroll)
         for conv_id, live in list(self.live.items()):
-            follow = box.scroll_y >= box.max_scroll_y - 1
             fragment = live.take_text()
             view = self.stream_view if conv_id == screen.conv_id else None
             if view is not None and fragment:
@@ -103,8 +103,6 @@ class Replies:
             elif fragment and now - self._last_save.get(conv_id, 0) >= SAVE_S:
                 screen.store.update_message(live.message_id, content=live.full_text())
                 self._last_save[conv_id] = now
-            if view is not None and follow:
-                box.scroll_end(animate=False)
 
     async def _finish(self, live: LiveReply, view: MessageView | None) -> None:
         screen = self.screen
