@@ -387,3 +387,23 @@ async def test_the_chat_follows_the_stream_until_the_user_scrolls_up(make_app):
         await pilot.press("ctrl+end")
         await pilot.pause(0.2)
         assert box.scroll_y == box.max_scroll_y > 0
+
+
+async def test_an_empty_chat_shows_the_welcome_and_the_help_explains_the_numbers(make_app):
+    app = make_app(FakeBackend())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await ready(pilot)
+        welcome = app.chat.query_one("#welcome")
+        assert "Ctrl+T" in welcome.source and "prefix cache" in welcome.source
+        assert welcome.region.height > 0                      # on screen at 80x24
+        await send(pilot, "hello")
+        await idle(pilot)
+        assert not app.chat.query("#welcome")                 # gone with the first message
+        await pilot.press("ctrl+n")
+        await pilot.pause()
+        assert app.chat.query("#welcome")                     # back for a new, empty chat
+        await pilot.press("f1")
+        await pilot.pause()
+        help_text = app.screen.query_one("Markdown").source
+        for term in ("TTFT", "TPOT", "ITL", "KV cache", "Prefix cache", "Chunked prefill", "Neighbours"):
+            assert f"| {term} |" in help_text, term

@@ -6,12 +6,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from textual.containers import VerticalScroll
+from textual.widgets import Markdown
 from textual.message import Message
 
 from pdchat.chatapp import format as fmt
 from pdchat.chatapp.tui.widgets.chat_input import ChatInput
 from pdchat.chatapp.tui.widgets.messages import MessageView, code_blocks
-from pdchat.chatapp.tui.screens.modals import HelpScreen, ModelPicker, SettingsScreen, TextPrompt
+from pdchat.chatapp.tui.screens.modals import WELCOME, HelpScreen, ModelPicker, SettingsScreen, TextPrompt
 from pdchat.chatapp.tui.screens.replies import ReplyFinished
 
 if TYPE_CHECKING:
@@ -198,7 +199,9 @@ class ChatActions:
             await self.open_conversation(rest[0].id)
         else:
             self.conv_id = None
-            await self.query_one("#messages", VerticalScroll).remove_children()
+            box = self.query_one("#messages", VerticalScroll)
+            await box.remove_children()
+            await box.mount(Markdown(WELCOME, id="welcome"))
             self.refresh_list()
 
     def action_settings(self: "ChatScreen") -> None:

@@ -13,11 +13,12 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
-from textual.widgets import Footer, Header, Input, Label, ListItem, ListView, Static
+from textual.widgets import Footer, Header, Input, Label, ListItem, ListView, Markdown, Static
 
 from pdchat.chatapp.backends.base import Settings
 from pdchat.chatapp.tui.live import LiveReply
 from pdchat.chatapp.tui.screens.actions import ChatActions
+from pdchat.chatapp.tui.screens.modals import WELCOME
 from pdchat.chatapp.tui.screens.replies import Replies
 from pdchat.chatapp.tui.widgets.chat_input import ChatInput
 from pdchat.chatapp.tui.widgets.messages import MessageView
@@ -68,7 +69,7 @@ class ChatScreen(ChatActions, Screen):
                 yield Input(placeholder="search…", id="search")
                 yield ListView(id="conv-list")
             with Vertical(id="chat"):
-                yield VerticalScroll(id="messages")
+                yield VerticalScroll(Markdown(WELCOME, id="welcome"), id="messages")
                 yield Static("", id="status")
                 yield ChatInput(id="input", cursor_blink=not self.app.is_headless)
             with Vertical(id="side"):
@@ -146,7 +147,7 @@ class ChatScreen(ChatActions, Screen):
         live = self.live.get(conv_id)
         if live is not None:
             views = [v for v in views if v.message_id != live.message_id]
-        await box.mount_all(views)
+        await box.mount_all(views or [Markdown(WELCOME, id="welcome")])
         if live is not None:
             await self.replies.show(live)
         conv = self.store.conversation(conv_id)
@@ -196,6 +197,8 @@ class ChatScreen(ChatActions, Screen):
             self.sub_title = self.store.conversation(conv.id).title
         msg = self.store.add_message(self.conv_id, "user", text)
         self.query_one("#input", ChatInput).clear()
+        for welcome in self.query("#welcome"):
+            await welcome.remove()
         await self.query_one("#messages").mount(MessageView("user", text, message_id=msg.id))
         await self.start_reply(self.conv_id)
 

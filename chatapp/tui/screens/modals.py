@@ -46,6 +46,32 @@ regenerate = "ctrl+r,f5"
 Telemetry colours: **prefill** (the pause before the first token), **decode** (the stream),
 **cached** (prefix-cache hits), **kv** (KV cache pool), **gpu** (the device). Values that cannot
 be measured show *n/a*.
+
+# What the numbers mean
+
+| Term | Meaning |
+|---|---|
+| Prefill | the model reads the whole prompt in one pass (many tokens at once: compute-bound) |
+| TTFT | time to first token: queueing plus the prefill pause, what you wait before text appears |
+| Decode | the model writes one token per step, reading all its weights each time (memory-bound) |
+| TPOT | time per output token after the first; tok/s is its inverse |
+| ITL | inter-token latency: the gap between two tokens as they arrive (its spikes are stalls) |
+| KV cache | the keys and values of every token so far, kept so each step computes only the new token |
+| Prefix cache | KV blocks of a prompt start seen before, reused: a repeated question skips most of its prefill |
+| Chunked prefill | a long prompt enters a few dozen tokens per step so other streams keep flowing |
+| Speculative decoding | cheap guesses of the next tokens, all checked in one forward; same output, fewer steps |
+| Neighbours | synthetic users chatting beside you: batching shares each step among them |
+"""
+
+WELCOME = """\
+**Welcome to pdchat.** Watch the panel: the **prefill** pause (TTFT), then the **decode** stream.
+
+Try:
+- paste a long text, ask for a summary: the prefill pause
+- **Ctrl+T**, KV cache off, ask again: naive decoding
+- ask about the same long text twice: the prefix cache
+
+**F1**: keys, and what TTFT, TPOT, ITL and KV mean.
 """
 
 
