@@ -65,7 +65,8 @@ class TelemetryPanel(VerticalScroll):
         t = Text()
         if live is None:
             reason = (last or {}).get("finish_reason")
-            t.append(f"✓ last reply: {reason}" if reason else "idle", style="dim")
+            mark = {"stop": "✓", "length": "✓", "cancelled": "■", "error": "✗"}.get(reason, "·")
+            t.append(f"{mark} last reply: {reason}" if reason else "idle", style="dim")
             return t
         p = live.phase
         if p == "queued":
@@ -183,9 +184,12 @@ class TelemetryPanel(VerticalScroll):
         drafted, accepted = m.get("spec_drafted") or 0, m.get("spec_accepted") or 0
         _row(t, "method", method)
         _row(t, "acceptance", fmt.pct(100 * accepted / drafted if drafted else None))
-        steps = max(1, (m.get("output_tokens") or 0) - accepted)
-        t.append(f"{'mean accept':<13}", style="dim")
-        t.append(f"{(m.get('output_tokens') or 0) / steps:.2f} tok/step" if drafted else fmt.NA)
+        # Per verify forward: the drafts it accepted plus the token the target adds, so never more
+        # than k + 1. (Output tokens over non-draft tokens overstated it: drafts accepted past a
+        # stop or the length limit are counted as accepted but never appended.)
+        per_verify = m.get("spec_mean_accepted")
+        t.append(f"{'per verify':<13}", style="dim")
+        t.append(f"{per_verify + 1:.2f} tok" if per_verify is not None else fmt.NA)
         return t
 
     def _device(self, s: dict, c: dict, w: int, now: float | None) -> Text:
