@@ -86,7 +86,10 @@ async def test_every_toggle_has_an_explained_control_that_reaches_the_backend(s,
     app = make_app(backend)
     async with app.run_test(size=(160, 60)) as pilot:
         box = await _open_toggles(pilot)
-        assert str(box.query_one(f"#tg-{s.name}-help", Static).render()) == s.help
+        box.query_one(f"#tg-{s.name}").focus()             # its explanation, in the declaration's words
+        await pilot.pause()
+        assert str(box.query_one("#tg-help", Static).render()) == f"{s.title}: {s.help}"
+        assert box.query_one(f"#tg-{s.name}").parent.tooltip == s.help
         value = other_value(s)
         await _change(pilot, box, s, value)
         assert {s.name: value} in backend.updates, backend.updates
@@ -101,8 +104,24 @@ async def test_every_toggle_has_an_explained_control_that_reaches_the_backend(s,
                 await field.action_submit()
                 await pilot.pause()
                 assert field.has_class("-invalid") and len(backend.updates) == sent
-                help_line = box.query_one(f"#tg-{s.name}-help", Static)
+                help_line = box.query_one("#tg-help", Static)
                 assert help_line.has_class("-error") and str(help_line.render()).startswith(f"{s.title}: ")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("size", [(80, 24), (160, 48)], ids=["80x24", "160x48"])
+async def test_the_telemetry_stays_in_view_with_the_toggles_open(size, make_app):
+    app = make_app(FakeBackend())
+    async with app.run_test(size=size) as pilot:
+        box = await _open_toggles(pilot)
+        await pilot.pause(0.3)
+        height = size[1]
+        for s in TOGGLES:                                   # every toggle's row on screen
+            row = box.query_one(f"#tg-{s.name}").parent
+            assert 0 <= row.region.y < height and row.region.height == 1, s.name
+        for section in ("#tm-phase", "#tm-latency"):         # and the live numbers under them
+            region = app.chat.query_one(section).region
+            assert region.height > 0 and region.y + region.height <= height - 1, section
 
 
 @pytest.mark.anyio

@@ -1,11 +1,14 @@
-"""The toggles panel: one control per toggle of the settings declaration (pdchat.engine.settings),
-each with its one-line explanation. On/off settings are switches, choices are selects, numbers
-are boxes checked by the declaration; a number that can be off ("chunk size: off") has both.
+"""The toggles panel: one compact row per toggle of the settings declaration
+(pdchat.engine.settings), so the telemetry below stays in view. The line under the rows explains
+the toggle that has the focus (or the mouse: each row's tooltip), in the declaration's words, and
+says why a typed value is refused. On/off settings are switches, choices are selects, numbers are
+boxes checked by the declaration; a number that can be off ("prefill chunk: off") has both.
 """
 from __future__ import annotations
 
 from typing import Any
 
+from textual import events
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.message import Message
@@ -16,6 +19,7 @@ from pdchat.engine.settings import TOGGLES, Setting
 
 
 _REFUSED = object()
+HINT = "Tab to a toggle (or point at it) to see what it does."
 
 
 def _can_be_off(s: Setting) -> bool:
@@ -46,24 +50,25 @@ class TogglesBox(Vertical):
     def compose(self) -> ComposeResult:
         for s in TOGGLES:
             yield from self._control(s, getattr(self.toggles, s.name), not self.caps.get(s.name))
+        yield Static(HINT, id="tg-help", classes="tg-help")
 
     def _control(self, s: Setting, value: Any, disabled: bool) -> ComposeResult:
         label = Label(s.title + (" (unavailable)" if disabled else ""), classes="tg-label")
-        with Horizontal(classes="tg-row"):
+        with Horizontal(classes="tg-row") as row:
+            row.tooltip = s.help
             if s.kind is bool:
                 yield Switch(value, id=f"tg-{s.name}", disabled=disabled)
                 yield label
             elif s.choices:
                 yield label
                 yield Select([(c, c) for c in s.choices], value=value, allow_blank=False, id=f"tg-{s.name}",
-                             disabled=disabled)
+                             disabled=disabled, compact=True)
             else:
                 if _can_be_off(s):
                     yield Switch(value is not None, id=f"tg-{s.name}-on", disabled=disabled)
                 yield label
                 shown = s.default if value is None else value
-                yield Input(_text(s, shown), id=f"tg-{s.name}", disabled=disabled, max_length=8)
-        yield Static(s.help, id=f"tg-{s.name}-help", classes="tg-help")
+                yield Input(_text(s, shown), id=f"tg-{s.name}", disabled=disabled, max_length=8, compact=True)
 
     def set_caps(self, caps: dict[str, bool], toggles: Toggles) -> None:
         """New backend: rebuild the controls for its capabilities."""
@@ -98,20 +103,29 @@ class TogglesBox(Vertical):
         if not self._quiet:
             self.post_message(self.Changed(changes))
 
+    def explain(self, s: Setting, error: str | None = None) -> None:
+        """The help line: what `s` does, or why its box refused a value."""
+        line = self.query_one("#tg-help", Static)
+        line.update(f"{s.title}: {error}" if error else f"{s.title}: {s.help}")
+        line.set_class(error is not None, "-error")
+
+    def on_descendant_focus(self, event: events.DescendantFocus) -> None:
+        name = (event.widget.id or "").removeprefix("tg-").removesuffix("-on")
+        s = next((t for t in TOGGLES if t.name == name), None)
+        if s is not None:
+            self.explain(s)
+
     def _read(self, s: Setting) -> Any:
-        """The box's value; _REFUSED (and the box marked, its reason under it) when the text is refused."""
+        """The box's value; _REFUSED (and the box marked, the reason on the help line) when refused."""
         box = self.query_one(f"#tg-{s.name}", Input)
-        help_line = self.query_one(f"#tg-{s.name}-help", Static)
         try:
             value = s.read(box.value or _text(s, s.default))
         except ValueError as e:
             box.add_class("-invalid")
-            help_line.update(f"{s.title}: {e}")
-            help_line.add_class("-error")
+            self.explain(s, str(e))
             return _REFUSED
         box.remove_class("-invalid")
-        help_line.update(s.help)
-        help_line.remove_class("-error")
+        self.explain(s)
         return value
 
     def on_switch_changed(self, event: Switch.Changed) -> None:
