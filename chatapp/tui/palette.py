@@ -37,6 +37,9 @@ def palette_commands(app: "PdchatApp") -> Iterable[SystemCommand]:
         yield SystemCommand(title, help_text, lambda a=action: chat.run_action(a))
     yield SystemCommand("Inference lab", "Measure the explainers' claims on this machine: curves and "
                         "verdicts (F9)", app.action_lab)
+    for conv in app.store.conversations():           # reachable even when the list is hidden
+        yield SystemCommand(f"Open conversation: {conv.title}", "Switch to this conversation",
+                            lambda c=conv.id: app.call_later(chat.open_conversation, c))
     caps = app.backend.capabilities
     for s in TOGGLES:
         available = "" if caps.get(s.name) else " (unavailable in this engine)"

@@ -425,3 +425,33 @@ def test_the_last_reply_is_marked_by_how_it_ended(reason, mark):
     from pdchat.chatapp.tui.widgets.telemetry import TelemetryPanel
     text = TelemetryPanel()._phase(None, {"finish_reason": reason}, {}, 30).plain
     assert text == f"{mark} last reply: {reason}"
+
+
+async def test_everything_is_reachable_on_a_narrow_terminal(make_app):
+    backend = FakeBackend(replies=["first answer", "second answer"])
+    app = make_app(backend)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await ready(pilot)
+        await send(pilot, "first chat")
+        await idle(pilot)
+        first = app.chat.conv_id
+        await pilot.press("ctrl+n")
+        await send(pilot, "second chat")
+        await idle(pilot)
+        sidebar = app.chat.query_one("#sidebar")
+        assert not sidebar.display or sidebar.region.width == 0              # hidden at 80 columns
+        # Ctrl+F shows the list and types into a visible box; choosing a chat hides it again
+        await pilot.press("ctrl+f")
+        await pilot.pause()
+        search = app.chat.query_one("#search")
+        assert sidebar.region.width > 0 and app.focused is search and search.region.width > 0
+        await pilot.press("escape")
+        await pilot.pause()
+        assert sidebar.region.width == 0
+        # the palette can open any conversation
+        from pdchat.chatapp.tui.palette import palette_commands
+        opener = next(c for c in palette_commands(app) if c.title == "Open conversation: first chat")
+        opener.callback()
+        await wait_for(pilot, lambda: app.chat.conv_id == first)
+        await pilot.pause(0.2)
+        assert "first answer" in [v.content for v in app.chat.query(MessageView)]

@@ -57,6 +57,10 @@ class ChatActions:
 
     # ---- reply control --------------------------------------------------------------------------
     def action_cancel(self: "ChatScreen") -> None:
+        if self.has_class("-show-sidebar"):            # the list Ctrl+F showed on a narrow terminal
+            self.remove_class("-show-sidebar")
+            self.query_one("#input").focus()
+            return
         if self.replies.cancel(self.conv_id):
             return
         if self.editing is not None:
@@ -170,6 +174,8 @@ class ChatActions:
         self.query_one("#messages", VerticalScroll).scroll_end(animate=False)
 
     def action_search(self: "ChatScreen") -> None:
+        # A narrow terminal hides the list: show it over the chat until a conversation is chosen.
+        self.add_class("-show-sidebar")
         self.query_one("#search").focus()
 
     def action_rename(self: "ChatScreen") -> None:

@@ -126,6 +126,7 @@ class ChatScreen(ChatActions, Screen):
     async def _selected(self, event: ListView.Selected) -> None:
         conv_id = getattr(event.item, "conv_id", None)
         if conv_id is not None:
+            self.remove_class("-show-sidebar")
             await self.open_conversation(conv_id)
             self.query_one("#input").focus()
 
