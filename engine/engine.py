@@ -162,8 +162,12 @@ class Engine:
         self.outputs.prefill_starting(plan.items)
         drafts, reserved = ({}, []) if not self.scheduler.kv_cache else \
             self.speculative.propose(plan.items, self.blocks, self.max_model_len)
+        # Layer by layer only where the forward runs in step with Python (on a GPU the layers are
+        # queued in microseconds and the time is spent after).
+        on_layer = self.outputs.layer_progress(plan.items, self.model_config.num_layers) \
+            if self.device.type == "cpu" else None
         try:
-            out = self.runner.run_step(plan.items, {i: d.tokens for i, d in drafts.items()})
+            out = self.runner.run_step(plan.items, {i: d.tokens for i, d in drafts.items()}, on_layer)
         except Exception as e:
             self.outputs.fail([item.seq for item in plan.items], e)
             return plan

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Mapping, NamedTuple
+from typing import Callable, Mapping, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -166,8 +166,10 @@ class Transformer(nn.Module):
         dtype = self.embed.weight.dtype
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden] (normalised)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden] (normalised). on_layer(n)
+        is told after each of the first n layers ran (op by op only: a one-call forward is short)."""
         ops = self.ops
         cos, sin = self.rope(positions)
         x = self.embed(input_ids)
@@ -175,8 +177,10 @@ class Transformer(nn.Module):
         h = ops.rms_norm(x, first.weight, first.eps)
         if ops.run_layers(self._layer_plan(), x, h, cos, sin, batch):
             return h
-        for block, next_norm in zip(self.layers, self._norms_after()):
+        for n, (block, next_norm) in enumerate(zip(self.layers, self._norms_after()), 1):
             x, h = block(x, h, next_norm, cos, sin, batch, ops)
+            if on_layer is not None:
+                on_layer(n)
         return h
 
     def _norms_after(self) -> list[RMSNorm]:

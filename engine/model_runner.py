@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -49,10 +50,11 @@ class ModelRunner:
     def kv_bytes_total(self) -> int:
         return 2 * self.k_cache.numel() * self.k_cache.element_size()
 
-    def run_step(self, items: list[ScheduledSeq], drafts: dict[int, list[int]]) -> StepLogits:
+    def run_step(self, items: list[ScheduledSeq], drafts: dict[int, list[int]],
+                 on_layer: Callable[[int], None] | None = None) -> StepLogits:
         """The step's one forward: each item's scheduled tokens, plus its draft tokens (by item
         index) when it verifies; logits for the last row of an item that samples, every row of a
-        verify."""
+        verify. on_layer follows the forward through the layers (Transformer.forward)."""
         work, rows = [], []
         for idx, item in enumerate(items):
             w = Work.of(item.seq, item.num_tokens)
@@ -65,10 +67,11 @@ class ModelRunner:
         starts = [0]
         for r in rows:
             starts.append(starts[-1] + len(r))
-        return StepLogits(self.forward(work, rows), starts)
+        return StepLogits(self.forward(work, rows, on_layer), starts)
 
     @torch.inference_mode()
-    def forward(self, items: list[Work], rows: list[list[int]]) -> torch.Tensor:
+    def forward(self, items: list[Work], rows: list[list[int]],
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Compute K/V for each item's tokens and return fp32 logits for the requested rows.
 
         rows[i] lists offsets within item i's tokens (e.g. [n-1] for the last one).
@@ -102,5 +105,5 @@ class ModelRunner:
         context_lens = torch.tensor(clens, dtype=torch.int32).to(dev, non_blocking=True)
         batch = AttentionBatch(self.k_cache, self.v_cache, slot_mapping, block_tables, qsl, context_lens, qlens,
                                clens, self.scale)
-        hidden = self.model(input_ids, pos, batch)
+        hidden = self.model(input_ids, pos, batch, on_layer)
         return self.model.logits(hidden[torch.tensor(want, dtype=torch.long, device=dev)])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import time
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer, TextOutput
@@ -21,6 +21,10 @@ from .sequence import Sequence, Status
 from .speculative import SpeculativeDecoder
 from .spec import Draft
 from .stream import Completion, FinishEvent, ProgressEvent, TokenEvent
+
+# A prefill forward of this many prompt tokens reports its layers (about half a second on a
+# 2-core CPU with the default model; shorter forwards end before a panel would show it).
+LAYER_PROGRESS_TOKENS = 256
 
 
 class OutputProcessor:
@@ -83,6 +87,22 @@ class OutputProcessor:
             seq = item.seq
             if seq.t_first_token is None and seq.num_computed_tokens == (seq.num_cached_prompt_tokens or 0):
                 self.progress(seq, "prefill", seq.num_computed_tokens)
+
+    def layer_progress(self, items: list[ScheduledSeq], num_layers: int) -> Callable[[int], None] | None:
+        """A forward that prefills LAYER_PROGRESS_TOKENS or more of a prompt takes seconds on a CPU:
+        a callback that reports its way through the layers to those requests (None: none such)."""
+        long = [i for i in items if i.seq.in_prefill and i.num_tokens >= LAYER_PROGRESS_TOKENS]
+        if not long:
+            return None
+
+        def on_layer(done: int) -> None:
+            now = time.perf_counter()
+            for item in long:
+                seq = item.seq
+                seq.sink.put(ProgressEvent("prefill", seq.num_computed_tokens, seq.num_prompt_tokens,
+                                           seq.num_cached_prompt_tokens or 0, now, layers_done=done,
+                                           layers=num_layers, step_tokens=item.num_tokens))
+        return on_layer
 
     def process(self, plan: StepPlan, out: StepLogits, drafts: dict[int, Draft], reserved: list[int],
                 sampled: dict[int, list[int]], generator: Any) -> None:

@@ -25,6 +25,11 @@ class ProgressEvent:
     total: int           # prompt tokens
     cached: int          # prompt tokens taken from the prefix cache
     t: float
+    # A long prefill forward reports its way through the layers (CPU): `layers_done` of `layers`
+    # have run over the request's next `step_tokens` prompt tokens. 0: no forward under way.
+    layers_done: int = 0
+    layers: int = 0
+    step_tokens: int = 0
 
 
 @dataclass
