@@ -15,6 +15,18 @@ def ms(v: float | None) -> str:
     return f"{v:,.0f} ms" if v >= 10 else f"{v:.1f} ms"
 
 
+def seconds(v_ms: float | None) -> str:
+    """A wait a person reads: "0.4 s", "12 s", "2 min 5 s"."""
+    if v_ms is None:
+        return NA
+    s = v_ms / 1000
+    if s < 10:
+        return f"{s:.1f} s"
+    if s < 60:
+        return f"{s:.0f} s"
+    return f"{int(s // 60)} min {int(s % 60)} s"
+
+
 def rate(v: float | None, unit: str = "tok/s") -> str:
     return NA if v is None else f"{v:,.1f} {unit}"
 
@@ -68,8 +80,13 @@ def made_with(w: dict[str, Any]) -> str:
             title = settings.get(name).title
         except KeyError:                  # a setting saved by another version of pdchat
             title = name
-        out.append(f"{title} {'off' if value is None or value is False else 'on' if value is True else value}")
+        out.append(f"{title} {setting_value(value)}")
     return ", ".join(out)
+
+
+def setting_value(value: Any) -> str:
+    """A toggle's value as the panel says it: on, off, or the value."""
+    return "off" if value is None or value is False else "on" if value is True else str(value)
 
 
 def sparkline(values: list[float], width: int) -> str:

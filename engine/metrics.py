@@ -98,7 +98,8 @@ class EngineStats:
     device_mem_used: int | None = None
     device_mem_total: int | None = None
     device_power_w: float | None = None
-    cpu_util_pct: float | None = None
+    cpu_util_pct: float | None = None         # the whole machine, % of all its logical CPUs
+    process_cpu_pct: float | None = None      # this process (all threads), on the same scale
     rss_bytes: int | None = None
     weight_bytes: int = 0             # weight bytes one decode step reads (int8 when active)
     quant: str = "none"
@@ -155,7 +156,7 @@ def collect_stats(engine: "Engine") -> EngineStats:
     if engine.monitor is not None:
         snap = engine.monitor.snapshot()
         for name in ("device_name", "device_util_pct", "device_mem_used", "device_mem_total",
-                     "device_power_w", "cpu_util_pct", "rss_bytes"):
+                     "device_power_w", "cpu_util_pct", "process_cpu_pct", "rss_bytes"):
             setattr(st, name, getattr(snap, name))
         st.peak_bandwidth = peak_bandwidth(snap.device_name) if engine.device.type == "cuda" else None
     return st

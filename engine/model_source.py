@@ -115,10 +115,65 @@ def cached_models() -> list[tuple[str, Path, int]]:
     out = []
     for d in sorted(models_dir().iterdir()):
         if d.is_dir() and is_native(d):
-            size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
             name = str(_meta(d).get("name") or d.name)
-            out.append((name, d, size))
+            out.append((name, d, _bytes_under(d)))
     return out
+
+
+def _bytes_under(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """What a model weighs, as far as local files tell; None where they do not."""
+    params: int | None = None            # from its config (or preset), the weights unread
+    disk_bytes: int | None = None        # its files in the cache, folder or .gguf
+    download_bytes: int | None = None    # what fetching it would take, where known beforehand
+
+
+def model_size(spec: str) -> ModelSize | None:
+    """The size of a model spec from local files alone: never loads weights, never asks the
+    network (a hub id not cached here is unknown). None when nothing is known."""
+    spec = spec.strip()
+    if spec.startswith("random:"):
+        from .random_models import PRESETS
+        preset = PRESETS.get(spec.split(":", 1)[1])
+        return ModelSize(params=_params(preset)) if preset else None
+    folder = _local_folder(spec)
+    if folder is not None:
+        try:
+            cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            cfg = None
+        return ModelSize(params=_params(cfg), disk_bytes=_bytes_under(folder))
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf") and path.is_file():
+        return ModelSize(disk_bytes=path.stat().st_size)
+    if spec == "smollm2-135m":               # not fetched yet: its PyPI package's size is known
+        return ModelSize(download_bytes=DEFAULT_PIP_SIZE_MB * 2**20)
+    return None
+
+
+def _local_folder(spec: str) -> Path | None:
+    """The model folder a spec names on this machine: a folder, the cache's, or a converted
+    .gguf's (named after the file); None when there is none (nothing is fetched)."""
+    path = Path(spec).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    cached = models_dir() / _slug(spec)
+    if is_native(cached):
+        return cached
+    return next((d for d in models_dir().iterdir() if d.is_dir() and is_native(d)
+                 and _meta(d).get("name") == spec), None)
+
+
+def _params(cfg: Any) -> int | None:
+    from .model_config import ModelConfig
+    try:
+        return ModelConfig.from_hf(cfg).num_params()
+    except ModelLoadError:               # not one of our architectures, or a garbled config
+        return None
 
 
 def _meta(folder: Path) -> dict[str, Any]:

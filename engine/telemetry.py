@@ -2,7 +2,10 @@
 
 Every field is a real reading or None: an NVML call that fails leaves its own field None and the
 others untouched; without NVML (or on a CPU device) all device_* fields are None. The CPU figures
-(machine-wide cpu_util_pct, this process's rss_bytes) are filled on every device.
+(machine-wide cpu_util_pct, this process's process_cpu_pct and rss_bytes) are filled on every device.
+
+An idle process is sampled less often (idle_interval_s): its figures barely move, and an idle app
+should cost about no CPU, the sampler's included.
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ from typing import Any, Callable, NamedTuple, TypeVar
 import psutil
 import torch
 
-HISTORY_LEN = 64          # ~16 s at the default 4 Hz: enough for a sparkline, small to copy
+HISTORY_LEN = 64          # ~16 s at 4 Hz (~64 s idle): enough for a sparkline, small to copy
+IDLE_CORE_PCT = 5.0       # this process below this share of one core counts as idle
 
 T = TypeVar("T")
 
@@ -39,7 +43,8 @@ class DeviceSnapshot:
     device_mem_total: int | None = None     # bytes
     device_power_w: float | None = None
     sm_clock_mhz: float | None = None
-    cpu_util_pct: float | None = None       # whole machine
+    cpu_util_pct: float | None = None       # whole machine, % of all its logical CPUs
+    process_cpu_pct: float | None = None    # this process (all threads), on the same scale
     rss_bytes: int | None = None            # this process
     history: tuple[Sample, ...] = ()        # oldest first, at most HISTORY_LEN
 
@@ -85,17 +90,21 @@ def _nvml_index(index: int, visible: str | None) -> int | None:
 
 
 class DeviceMonitor:
-    """Samples `device` every `interval_s` seconds on a daemon thread; snapshot() is lock-free."""
+    """Samples `device` every `interval_s` seconds (`idle_interval_s` while this process idles) on a
+    daemon thread; snapshot() is lock-free."""
 
     def __init__(self, device: torch.device, interval_s: float = 0.25, nvml: ModuleType | Any | None = None,
-                 process: psutil.Process | None = None):
+                 process: psutil.Process | None = None, idle_interval_s: float = 1.0):
         self.device = torch.device(device)
         self.interval_s = interval_s
+        self.idle_interval_s = idle_interval_s
         self._nvml = nvml
         self._process = process or psutil.Process()
         self._handle: Any = None
         self._nvml_ready: bool | None = None      # None: not tried yet; init happens on first sample
         self._cpu_primed = False
+        self._cpus = psutil.cpu_count() or None
+        self._idle = False                        # this process used under IDLE_CORE_PCT last time
         self._history: deque[Sample] = deque(maxlen=HISTORY_LEN)
         name = cpu_model_name() if self.device.type == "cpu" else None
         self._latest = DeviceSnapshot(device_name=name)
@@ -127,7 +136,7 @@ class DeviceMonitor:
     def _run(self) -> None:
         while True:
             self.sample()
-            if self._stop.wait(self.interval_s):
+            if self._stop.wait(self.idle_interval_s if self._idle else self.interval_s):
                 return
 
     # ---- one reading ------------------------------------------------------------------------
@@ -135,11 +144,15 @@ class DeviceMonitor:
         """Take one reading now, store it as the latest snapshot and return it."""
         snap = self._read_device()
         cpu = psutil.cpu_percent(interval=None)
-        # psutil's non-blocking form measures since this thread's previous call; the first call
-        # has no previous one and returns a meaningless 0.0.
-        cpu_util = float(cpu) if self._cpu_primed else None
-        self._cpu_primed = True
-        snap = replace(snap, cpu_util_pct=cpu_util, rss_bytes=_try(lambda: self._process.memory_info().rss))
+        own = _try(lambda: self._process.cpu_percent(interval=None))     # % of one core
+        # psutil's non-blocking forms measure since their previous call; the first call has no
+        # previous one and returns a meaningless 0.0.
+        primed, self._cpu_primed = self._cpu_primed, True
+        cpu_util = float(cpu) if primed else None
+        own_pct = own / self._cpus if primed and own is not None and self._cpus else None
+        self._idle = own is not None and primed and own < IDLE_CORE_PCT
+        snap = replace(snap, cpu_util_pct=cpu_util, process_cpu_pct=own_pct,
+                       rss_bytes=_try(lambda: self._process.memory_info().rss))
         self._history.append(Sample(time.monotonic(), snap.device_util_pct, cpu_util))
         self._latest = replace(snap, history=tuple(self._history))
         return self._latest

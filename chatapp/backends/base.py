@@ -63,6 +63,9 @@ class Phase:
     total: int          # prompt tokens
     cached: int         # prompt tokens from the prefix cache
     t: float            # backend clock, seconds
+    layers_done: int = 0    # a long prefill forward's way through the layers (engine's ProgressEvent)
+    layers: int = 0
+    step_tokens: int = 0    # prompt tokens that forward computes
 
 
 @dataclass
@@ -135,6 +138,11 @@ class Backend(abc.ABC):
     def models(self) -> list[str]:
         """Models this backend can switch to without a download (for the model picker)."""
         return [self.model] if self.model else []
+
+    def model_size(self, model: str) -> str | None:
+        """A short size of a model models() lists ("135M params · 513.0 MB"), found without loading
+        it or asking the network; None where it is not known."""
+        return None
 
     def now(self) -> float:
         """The clock the event times use (the fake backend has a fake one)."""

@@ -6,10 +6,16 @@ import time
 from dataclasses import fields
 from typing import Any, Iterator
 
+from pdchat.chatapp import format as fmt
 from pdchat.chatapp.backends.base import CAPABILITIES, Backend, Done, Generation, Phase, Settings, Token
 
 NEIGHBOUR_PROMPT = ("You are a background user. Write a long, detailed story about a lighthouse keeper "
                     "who discovers a strange signal in the fog.")
+
+
+def _count(n: int) -> str:
+    """A parameter count as people say it: 135M, 1.2B."""
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
 
 
 class LocalGeneration(Generation):
@@ -22,7 +28,8 @@ class LocalGeneration(Generation):
             if isinstance(ev, TokenEvent):
                 yield Token(ev.text, ev.t, ev.index)
             elif isinstance(ev, ProgressEvent):
-                yield Phase(ev.phase, ev.computed, ev.total, ev.cached, ev.t)
+                yield Phase(ev.phase, ev.computed, ev.total, ev.cached, ev.t, ev.layers_done, ev.layers,
+                            ev.step_tokens)
             elif isinstance(ev, FinishEvent):
                 c = ev.completion
                 yield Done(c.text, c.finish_reason, c.metrics.to_dict(), c.error)
@@ -71,6 +78,19 @@ class LocalBackend(Backend):
         from pdchat.engine.model_source import cached_models
         names = [name for name, _, _ in cached_models()]
         return [self.model] + [n for n in names if n != self.model]
+
+    def model_size(self, model: str) -> str | None:
+        from pdchat.engine.model_source import model_size
+        try:
+            size = model_size(model)
+        except Exception:          # a size is a convenience: a damaged folder shows none
+            return None
+        if size is None:
+            return None
+        parts = [f"{_count(size.params)} params" if size.params else "",
+                 fmt.size(size.disk_bytes) if size.disk_bytes else "",
+                 f"{fmt.size(size.download_bytes)} download" if size.download_bytes else ""]
+        return " · ".join(p for p in parts if p) or None
 
     def _engine(self):
         if self.engine is None:

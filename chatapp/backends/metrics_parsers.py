@@ -4,7 +4,8 @@ and llama.cpp's per-response `timings`.
 `parse_metrics` returns an engine snapshot dict keyed like EngineStats (plus the extras below), so
 the telemetry panel reads a remote server the way it reads the local engine. What a server does
 not expose stays None ("n/a"); nothing is estimated. Servers that count KV cache in tokens rather
-than blocks (SGLang, llama.cpp) are reported as blocks of one token.
+than blocks (SGLang, llama.cpp) are reported as blocks of one token. Only pdchat's own server
+reports the CPU figures of its machine and process (`cpu_util_pct`, `process_cpu_pct`, `rss_bytes`).
 
 Extras, beyond EngineStats: `server` (which dialect was read), `kv_usage` (fraction of the KV pool
 in use, the one figure every server exposes), `spec_drafted` / `spec_accepted` (speculative tokens
@@ -22,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 SNAPSHOT_KEYS = ("model", "device", "kv_block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached",
                  "kv_bytes_per_token", "kv_bytes_used", "kv_bytes_total", "running", "waiting", "step_ms",
-                 "prefix_hit_rate")
+                 "prefix_hit_rate", "cpu_util_pct", "process_cpu_pct", "rss_bytes")
 EXTRA_KEYS = ("server", "kv_usage", "spec_drafted", "spec_accepted", "spec_acceptance_rate", "spec_accept_length")
 
 

@@ -19,7 +19,7 @@ from pdchat.chatapp.backends.base import Backend, Settings, Toggles
 from pdchat.chatapp.tui.palette import palette_commands
 from pdchat.chatapp.tui.toggle_control import ToggleControl
 from pdchat.chatapp.tui.loading import BackendLoaded, LoadProgress, start_load
-from pdchat.chatapp.tui.screens.actions import CompareRequested, ModelRequested
+from pdchat.chatapp.tui.screens.actions import CompareRequested, ModelRequested, save_screenshot
 from pdchat.chatapp.tui.screens.chat import ChatScreen
 from pdchat.chatapp.tui.screens.replies import ReplyFinished
 from pdchat.chatapp.tui.screens.lab import LabScreen, lab_runner
@@ -38,7 +38,9 @@ TOGGLE_KEYS = tuple(s.name for s in declared.TOGGLES if s.scope == declared.ENGI
 class PdchatApp(App):
     CSS_PATH = "app.tcss"
     TITLE = "pdchat"
-    BINDINGS = [Binding("f9", "lab", "Lab", id="lab", show=False)]
+    BINDINGS = [Binding("f9", "lab", "Lab", id="lab", show=False),
+                # priority: also over modal screens (help, pickers), which hide the app's other keys
+                Binding("f12", "screenshot", "Screenshot", id="screenshot", show=False, priority=True)]
 
     def __init__(self, backend: Backend, store: Store, *, toggles: Toggles | None = None,
                  settings: Settings | None = None, config: dict | None = None,
@@ -175,7 +177,7 @@ class PdchatApp(App):
         self.switch_model(event.model)
 
     async def on_compare_requested(self, event: CompareRequested) -> None:
-        await self.toggle_control.compare(event.conv_id)
+        await self.toggle_control.compare(event.conv_id, event.changes)
 
     async def on_reply_finished(self, event: ReplyFinished) -> None:
         # Also while the app shuts down: a reply that ended during the exit still posts this.
@@ -214,9 +216,20 @@ class PdchatApp(App):
         runner, why = lab_runner(self.backend)
         self.push_screen(LabScreen(runner, why, load_last=self.backend.last_lab_run))
 
-    # ---- command palette ------------------------------------------------------------------------
+    # ---- screenshots and the command palette ----------------------------------------------------
+    def action_screenshot(self) -> None:     # type: ignore[override]
+        """An SVG of whatever screen is showing, into the export folder (Textual's own takes a
+        file name and goes to ~/Downloads, which may not exist)."""
+        try:
+            saved = save_screenshot(self, Path(self.export_dir))
+        except OSError as e:
+            self.notify(f"Screenshot failed: {e}", severity="error", markup=False)
+            return
+        self.notify(f"Screenshot saved to {saved}", markup=False)
+
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        yield from super().get_system_commands(screen)
+        # Textual's "Screenshot" writes to ~/Downloads: ours (in palette_commands) replaces it.
+        yield from (c for c in super().get_system_commands(screen) if c.title != "Screenshot")
         yield from palette_commands(self)
 
     async def _on_exit_app(self) -> None:

@@ -23,6 +23,11 @@ class LiveSnapshot:
     decode_tok_s: float | None
     itl_ms: list[float] = field(default_factory=list)
     metrics: dict[str, Any] | None = None
+    prefill_done: float = 0.0              # prompt tokens done, a forward under way counted by its layers
+    layers_done: int = 0                   # that forward's way through the layers (0: none reported)
+    layers: int = 0
+    prefill_tok_s: float | None = None     # prompt tokens per second so far (this prefill)
+    prefill_left_ms: float | None = None   # the rest of the prompt at that rate
 
 
 class LiveReply:
@@ -33,7 +38,8 @@ class LiveReply:
         self._lock = threading.Lock()
         self.phase = "queued"
         self.computed = self.total = self.cached = 0
-        self.t_submit = self.t_phase = now()
+        self.layers_done = self.layers = self.step_tokens = 0
+        self.t_submit = self.t_phase = self.t_progress = now()
         self.t_first: float | None = None
         self.t_last: float | None = None
         self.text = ""
@@ -50,7 +56,10 @@ class LiveReply:
                     self.t_phase = ev.t
                 if ev.phase == "queued":
                     self.t_submit = ev.t
+                if ev.phase == "prefill" and (ev.computed, ev.layers_done) != (self.computed, self.layers_done):
+                    self.t_progress = ev.t
                 self.phase, self.computed, self.total, self.cached = ev.phase, ev.computed, ev.total, ev.cached
+                self.layers_done, self.layers, self.step_tokens = ev.layers_done, ev.layers, ev.step_tokens
             elif isinstance(ev, Token):
                 if self.t_first is None:
                     self.t_first = ev.t
@@ -89,7 +98,23 @@ class LiveReply:
                 phase_ms=max(0.0, ((end or now) - self.t_phase) * 1000),
                 ttft_ms=(self.t_first - self.t_submit) * 1000 if self.t_first is not None else None,
                 output_tokens=self.tokens, decode_tok_s=rate, itl_ms=list(self.itl),
-                metrics=self.done.metrics if self.done else None)
+                metrics=self.done.metrics if self.done else None, **self._prefill_pace(now))
+
+    def _prefill_pace(self, now: float) -> dict[str, Any]:
+        """Prompt tokens done (a forward under way counted by the share of its layers that ran),
+        the rate so far, and the rest of the prompt at that rate less the time since the last
+        report. The rate is unknown until something was computed."""
+        done = float(self.computed)
+        if self.layers:
+            done += self.step_tokens * self.layers_done / self.layers
+        pace: dict[str, Any] = {"prefill_done": done, "layers_done": self.layers_done, "layers": self.layers,
+                                "prefill_tok_s": None, "prefill_left_ms": None}
+        spent = self.t_progress - self.t_phase
+        if self.phase == "prefill" and done > self.cached and spent > 0:
+            rate = (done - self.cached) / spent
+            left = (self.total - done) / rate - (now - self.t_progress)
+            pace.update(prefill_tok_s=rate, prefill_left_ms=max(0.0, left * 1000))
+        return pace
 
     def taken_text(self) -> str:
         """The text already handed to the UI (to rebuild a view when switching back)."""

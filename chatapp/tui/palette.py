@@ -20,7 +20,9 @@ ACTIONS = [  # (title, help, action on the chat screen)
     ("Copy code block", "Copy the last code block of the message (Ctrl+O)", "copy_code"),
     ("Export to Markdown", "Write the conversation to a .md file (Ctrl+S)", "export"),
     ("Show/hide toggles", "Optimization toggles panel (Ctrl+T)", "toggles"),
-    ("Compare prefix cache", "Re-run the last prompt with prefix caching flipped (Ctrl+G)", "compare"),
+    ("Compare a toggle", "Re-run the last prompt with one toggle changed (Ctrl+G)", "compare"),
+    ("A/B table", "The last two replies side by side: TTFT, prefill, decode, TPOT, cache, acceptance (F6)",
+     "ab_table"),
     ("Search conversations", "Filter the conversation list (Ctrl+F)", "search"),
     ("Follow the reply", "Jump to the latest text and keep following it (Ctrl+End)", "follow"),
     ("Rename conversation", "F2", "rename"),
@@ -35,6 +37,8 @@ def palette_commands(app: "PdchatApp") -> Iterable[SystemCommand]:
     chat = app.chat
     for title, help_text, action in ACTIONS:
         yield SystemCommand(title, help_text, lambda a=action: chat.run_action(a))
+    yield SystemCommand("Save screenshot", "An SVG of the app, into the folder Ctrl+S exports to (F12)",
+                        app.action_screenshot)
     yield SystemCommand("Inference lab", "Measure the explainers' claims on this machine: curves and "
                         "verdicts (F9)", app.action_lab)
     for conv in app.store.conversations():           # reachable even when the list is hidden

@@ -3,7 +3,8 @@
 WAL journal, a schema_version table and ordered migrations. A streaming reply is a message row
 with status 'streaming' that is updated as it grows; one left in that state by a crash reads
 back as 'interrupted'. A database that cannot be opened is moved aside (never deleted) and a
-fresh one created; `notice` says so, for the UI to show.
+fresh one created; `notice` says so, for the UI to show. Chats left without a message are dropped
+(at open, and by the chat screen when it leaves one), so unused "New chat" rows never pile up.
 """
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ MIGRATIONS = [
     """,
 ]
 
+NEW_CHAT = "New chat"          # a conversation's title until its first message names it
+
 
 @dataclass
 class Conversation:
@@ -69,6 +72,7 @@ class Store:
             self.notice = (f"The chat database could not be read ({e}); it was moved to {moved.name} "
                            f"and a new one was started.")
             self.db = self._open()
+        self.drop_empty()         # chats left empty by earlier runs: they would pile up at every launch
 
     # ---- opening ----------------------------------------------------------------------------
     def _open(self) -> sqlite3.Connection:
@@ -127,7 +131,7 @@ class Store:
         self.db.close()
 
     # ---- conversations ----------------------------------------------------------------------
-    def create_conversation(self, title: str = "New chat", settings: dict | None = None) -> Conversation:
+    def create_conversation(self, title: str = NEW_CHAT, settings: dict | None = None) -> Conversation:
         now = time.time()
         cur = self.db.execute("INSERT INTO conversations (title, settings, created, updated) VALUES (?,?,?,?)",
                               (title, json.dumps(settings or {}), now, now))
@@ -154,6 +158,12 @@ class Store:
 
     def delete_conversation(self, conv_id: int) -> None:
         self.db.execute("DELETE FROM conversations WHERE id = ?", (conv_id,))
+
+    def drop_empty(self, keep: int | None = None) -> None:
+        """Delete the chats nobody used: no message, the default title and no settings of their
+        own (a renamed or configured empty chat was meant to be kept). `keep` is spared."""
+        self.db.execute("DELETE FROM conversations WHERE title = ? AND settings = '{}' AND id IS NOT ? "
+                        "AND id NOT IN (SELECT conversation_id FROM messages)", (NEW_CHAT, keep))
 
     def _touch(self, conv_id: int) -> None:
         self.db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (time.time(), conv_id))

@@ -1,20 +1,17 @@
 """Applying toggles for the app: checked against the backend's capabilities, sent to the
-backend, saved, reflected in the panel and told to the user; plus Compare, which flips prefix
-caching for one reply and puts it back when that reply ends."""
+backend, saved, reflected in the panel and told to the user; plus Compare, which changes one
+toggle for one reply and puts it back when that reply ends."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from pdchat.chatapp import format as fmt
 from pdchat.chatapp.backends.base import Toggles
 from pdchat.chatapp.tui.widgets.toggles import TogglesBox
 from pdchat.engine import settings as declared
 
 if TYPE_CHECKING:
     from pdchat.chatapp.tui.app import PdchatApp
-
-
-def _said(value: Any) -> str:
-    return "off" if value is None or value is False else "on" if value is True else str(value)
 
 
 class ToggleControl:
@@ -43,7 +40,7 @@ class ToggleControl:
         app.store.set_setting("toggles", {k: v for k, v in app.toggles.to_dict().items() if k != "neighbours"})
         app.chat.query_one(TogglesBox).set_values(app.toggles)
         if not quiet:
-            said = ", ".join(f"{declared.get(k).title} {_said(v)}" for k, v in changes.items())
+            said = ", ".join(f"{declared.get(k).title} {fmt.setting_value(v)}" for k, v in changes.items())
             app.notify(f"{said}: applies to the next reply.")
         app.chat.refresh_panel()
         return True
@@ -56,17 +53,18 @@ class ToggleControl:
         else:
             await self.apply({name: None if value is not None else declared.get(name).default})
 
-    async def compare(self, conv_id: int) -> None:
-        old = self.app.toggles.prefix_cache
-        if not await self.apply({"prefix_cache": not old}, quiet=True):
+    async def compare(self, conv_id: int, changes: dict[str, Any]) -> None:
+        old = {name: getattr(self.app.toggles, name) for name in changes}
+        if not await self.apply(changes, quiet=True):
             return
-        if await self.app.chat.start_compare(conv_id, f"compare: prefix cache {'off' if old else 'on'}"):
-            self.compare_restore = (conv_id, {"prefix_cache": old})
+        said = ", ".join(f"{declared.get(k).title} {fmt.setting_value(v)}" for k, v in changes.items())
+        if await self.app.chat.start_compare(conv_id, f"compare: {said}"):
+            self.compare_restore = (conv_id, old)
         else:
-            await self.apply({"prefix_cache": old}, quiet=True)
+            await self.apply(old, quiet=True)
 
     async def reply_finished(self, conv_id: int) -> None:
         if self.compare_restore is not None and self.compare_restore[0] == conv_id:
             changes, self.compare_restore = self.compare_restore[1], None
             await self.apply(changes, quiet=True)
-            self.app.notify("Compare done: both summaries are shown under the replies.")
+            self.app.notify("Compare done: F6 shows the two replies side by side (A/B table).")

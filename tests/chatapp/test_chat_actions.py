@@ -276,7 +276,7 @@ async def test_gpu_device_panel(make_app):
         await ready(pilot)
         await pilot.pause(0.3)
         app2_text = panel_text(app2, "device")
-        assert "CPU util     38%" in app2_text and "812.0 MB" in app2_text and "GPU" not in app2_text
+        assert "machine CPU  38%" in app2_text and "812.0 MB" in app2_text and "GPU" not in app2_text
 
 
 class ListingBackend(FakeBackend):

@@ -8,7 +8,7 @@ from tests.doubles.fake_backend import FakeBackend
 
 from .helpers import idle, ready, send, wait_for
 
-LONG_PROMPT = " ".join(f"word{i}" for i in range(120))   # 492 prompt tokens: two prefill chunks
+LONG_PROMPT = " ".join(f"word{i}" for i in range(120))   # 492 prompt tokens: held halfway through the layers
 
 
 def start(**kw):

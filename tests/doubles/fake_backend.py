@@ -12,11 +12,13 @@ import re
 import threading
 from typing import Any, Iterator
 
+from pdchat.engine.output_processor import LAYER_PROGRESS_TOKENS
 from pdchat.engine.resources import CPU_CHUNK
 from pdchat.chatapp.backends.base import CAPABILITIES, Backend, Done, Generation, Phase, Settings, Token
 
 GB = 1024 ** 3
 MB = 1024 ** 2
+FAKE_LAYERS = 30          # as many as the default model (SmolLM2-135M)
 
 
 def default_reply(prompt: str) -> str:
@@ -65,20 +67,8 @@ class FakeGeneration(Generation):
         self._hold("queued")
         clock.advance(0.002)
         t_sched = clock.t
-        chunk = b.toggles["chunk_size"] or total
-        if chunk == "auto":                        # as the engine resolves it on a CPU
-            chunk = CPU_CHUNK
-        computed = cached
-        yield Phase("prefill", computed, total, cached, clock.t)
-        while computed < total and not self.cancelled.is_set():
-            step = min(chunk, total - computed)
-            clock.advance(step * b.prefill_ms_per_token / 1000)
-            computed += step
-            b.kv_blocks_used = -(-computed // 16)
-            if computed < total:
-                yield Phase("prefill", computed, total, cached, clock.t)
-                if computed * 2 >= total:
-                    self._hold("prefill")
+        yield Phase("prefill", cached, total, cached, clock.t)
+        yield from self._prefill(b, clock, cached, total, cached)
         if self.cancelled.is_set():
             yield self._done("", "cancelled", t_submit, t_sched, None, [], total, cached)
             return
@@ -103,6 +93,36 @@ class FakeGeneration(Generation):
         else:
             reason = "length" if len(pieces) < len(_tokens(reply)) else "stop"
         yield self._done(text, reason, t_submit, t_sched, times[0] if times else None, times, total, cached)
+
+    @staticmethod
+    def _chunk(b: "FakeBackend", total: int) -> int:
+        """Prompt tokens per prefill step, as the engine plans them: the chunk while neighbours
+        decode, else the whole prompt in one forward."""
+        chunk = b.toggles["chunk_size"]
+        if not chunk or not b.toggles["kv_cache"] or not b.toggles["neighbours"]:
+            return total
+        return CPU_CHUNK if chunk == "auto" else chunk
+
+    def _prefill(self, b: "FakeBackend", clock, computed: int, total: int, cached: int) -> Iterator:
+        """Steps of the prefill, with the engine's events: a count after each chunk but the last,
+        and a long forward's way through its layers."""
+        chunk = self._chunk(b, total)
+        while computed < total and not self.cancelled.is_set():
+            step = min(chunk, total - computed)
+            layers = FAKE_LAYERS if step >= LAYER_PROGRESS_TOKENS else 0
+            for done in range(1, layers + 1):
+                clock.advance(step * b.prefill_ms_per_token / 1000 / layers)
+                yield Phase("prefill", computed, total, cached, clock.t, done, layers, step)
+                if done * 2 == layers and computed + step >= total:
+                    self._hold("prefill")
+            if not layers:
+                clock.advance(step * b.prefill_ms_per_token / 1000)
+            computed += step
+            b.kv_blocks_used = -(-computed // 16)
+            if computed < total:
+                yield Phase("prefill", computed, total, cached, clock.t)
+                if computed * 2 >= total and not layers:
+                    self._hold("prefill")
 
     def _done(self, text, reason, t_submit, t_sched, t_first, times, total, cached) -> Done:
         ms = lambda a, b: None if a is None or b is None else round((b - a) * 1000, 3)  # noqa: E731
@@ -156,6 +176,8 @@ class FakeBackend(Backend):
         self.generations: list[FakeGeneration] = []
         self.running = 0
         self.kv_blocks_used = 0
+        # the machine's CPU and this process's share of it (% of all CPUs); a test may set them
+        self.cpu_util_pct, self.process_cpu_pct = (12.0, 10.0) if gpu else (37.5, 30.0)
         self.loaded = False
         self._reply_i = 0
         self._caps = {c: c not in ("quant", "lab") for c in CAPABILITIES}
@@ -221,8 +243,9 @@ class FakeBackend(Backend):
         if self.gpu:
             s.update(device="cuda:0", device_name="NVIDIA H100 80GB HBM3", device_util_pct=87.0,
                      device_mem_used=int(12.5 * GB), device_mem_total=80 * GB, device_power_w=312.0,
-                     cpu_util_pct=12.0, rss_bytes=2 * GB)
+                     rss_bytes=2 * GB)
         else:
             s.update(device="cpu", device_name=None, device_util_pct=None, device_mem_used=None,
-                     device_mem_total=None, device_power_w=None, cpu_util_pct=37.5, rss_bytes=812 * MB)
+                     device_mem_total=None, device_power_w=None, rss_bytes=812 * MB)
+        s.update(cpu_util_pct=self.cpu_util_pct, process_cpu_pct=self.process_cpu_pct)
         return s

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from textual.app import App
 from textual.containers import VerticalScroll
 from textual.widgets import Markdown
 from textual.message import Message
@@ -12,6 +14,7 @@ from textual.message import Message
 from pdchat.chatapp import format as fmt
 from pdchat.chatapp.tui.widgets.chat_input import ChatInput
 from pdchat.chatapp.tui.widgets.messages import MessageView, code_blocks
+from pdchat.chatapp.tui.screens.compare import ABTable, CompareChooser, compare_choices
 from pdchat.chatapp.tui.screens.modals import WELCOME, HelpScreen, ModelPicker, SettingsScreen, TextPrompt
 from pdchat.chatapp.tui.screens.replies import ReplyFinished
 
@@ -35,20 +38,32 @@ def export_markdown(title: str, system: str | None, messages) -> str:
     return "\n".join(out)
 
 
+def save_screenshot(app: App, folder: Path) -> Path:
+    """Write an SVG of the screen as it is now into `folder` (made if missing); its path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path, n = folder / f"pdchat-{stamp}.svg", 1
+    while path.exists():                     # two in the same second
+        path, n = folder / f"pdchat-{stamp}-{n}.svg", n + 1
+    path.write_text(app.export_screenshot(), encoding="utf-8")
+    return path
+
+
 class ModelRequested(Message):
     """The user picked a model to switch to (the app loads it beside the current one)."""
 
-    def __init__(self: "ChatScreen", model: str):
+    def __init__(self, model: str):
         super().__init__()
         self.model = model
 
 
 class CompareRequested(Message):
-    """Re-run the last prompt of `conv_id` with prefix caching flipped (the app owns the toggles)."""
+    """Re-run the last prompt of `conv_id` with `changes` to the toggles (the app owns them)."""
 
-    def __init__(self: "ChatScreen", conv_id: int):
+    def __init__(self, conv_id: int, changes: dict):
         super().__init__()
         self.conv_id = conv_id
+        self.changes = changes
 
 
 class ChatActions:
@@ -107,14 +122,34 @@ class ChatActions:
         return True
 
     def action_compare(self: "ChatScreen") -> None:
-        """Re-run the last prompt with prefix caching flipped; both replies keep their summaries."""
+        """Re-run the last prompt with one toggle changed (chosen in a list); both replies keep
+        their summaries and F6 shows them side by side."""
         if not self._can_generate():
             return
         msgs = self.store.messages(self.conv_id)
         if not msgs or msgs[-1].role != "assistant":
             self.notify("Compare needs a finished reply to compare with.", severity="warning")
             return
-        self.post_message(CompareRequested(self.conv_id))
+        choices = compare_choices(self.app.toggles.to_dict(), self.backend.capabilities)
+        if not choices:
+            self.notify("This backend has no toggle to compare.", severity="warning")
+            return
+        conv_id = self.conv_id
+
+        def chosen(changes: dict | None) -> None:
+            if changes:
+                self.post_message(CompareRequested(conv_id, changes))
+        self.app.push_screen(CompareChooser(choices), chosen)
+
+    def action_ab_table(self: "ChatScreen") -> None:
+        """The last two replies of this conversation side by side."""
+        replies = [m for m in self.store.messages(self.conv_id) if m.role == "assistant" and m.metrics] \
+            if self.conv_id is not None else []
+        if len(replies) < 2:
+            self.notify("The A/B table needs two finished replies here (Ctrl+G makes the second).",
+                        severity="warning")
+            return
+        self.app.push_screen(ABTable(replies[-2].metrics, replies[-1].metrics))
 
     async def start_compare(self: "ChatScreen", conv_id: int, label: str) -> bool:
         """The compared reply answers the same prompt: the previous reply is left out of its history."""

@@ -13,7 +13,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
-from textual.widgets import Footer, Header, Input, Label, ListItem, ListView, Markdown, Static
+from textual.widgets import Footer, Header, Input, ListView, Markdown, Static
 
 from pdchat.chatapp.backends.base import Settings
 from pdchat.chatapp.tui.live import LiveReply
@@ -21,15 +21,19 @@ from pdchat.chatapp.tui.screens.actions import ChatActions
 from pdchat.chatapp.tui.screens.modals import WELCOME
 from pdchat.chatapp.tui.screens.replies import Replies
 from pdchat.chatapp.tui.widgets.chat_input import ChatInput
+from pdchat.chatapp.tui.widgets.conversations import ConversationItem
 from pdchat.chatapp.tui.widgets.messages import MessageView
 from pdchat.chatapp.tui.widgets.telemetry import TelemetryPanel
 from pdchat.chatapp.tui.widgets.toggles import TogglesBox
 
 PUMP_S = 0.08          # text reaches the Markdown stream at most this often
-PANEL_S = 0.25         # the telemetry panel refreshes 4 times a second
+PANEL_S = 0.25         # the telemetry panel refreshes 4 times a second while a reply streams,
+IDLE_PANEL_S = 1.0     # and once a second otherwise (device figures, machine-busy warning)
 
 B = Binding
+# F1 Help first: the footer shows the keys in this order and an 80-column one runs out before its end.
 BINDINGS = [
+    B("f1", "help", "Help", id="help"),
     B("escape", "cancel", "Cancel", id="cancel", priority=True),
     B("ctrl+n", "new_chat", "New", id="new_chat", priority=True),
     B("ctrl+r", "regenerate", "Regen", id="regenerate", priority=True),
@@ -39,9 +43,9 @@ BINDINGS = [
     B("ctrl+s", "export", "Export", id="export", priority=True),
     B("ctrl+t", "toggles", "Toggles", id="toggles", priority=True),
     B("ctrl+g", "compare", "Compare", id="compare", priority=True, show=False),
+    B("f6", "ab_table", "A/B", id="ab_table", priority=True, show=False),   # over the input's select-line
     B("ctrl+f", "search", "Search", id="search", priority=True, show=False),
     B("ctrl+end", "follow", "Follow", id="follow", priority=True, show=False),
-    B("f1", "help", "Help", id="help"),
     B("f2", "rename", "Rename", id="rename", show=False),
     B("f3", "settings", "Settings", id="settings", show=False),
     B("f4", "model", "Model", id="model", show=False),
@@ -85,8 +89,11 @@ class ChatScreen(ChatActions, Screen):
         # Anchored: the list follows a growing reply (and its summary line) while the user is at
         # the bottom; scrolling up lets go, scrolling back down or Ctrl+End follows again.
         self.query_one("#messages", VerticalScroll).anchor()
-        self.set_interval(PUMP_S, self.replies.pump)
-        self.set_interval(PANEL_S, self.refresh_panel)
+        # Idle, the app wakes only for the slow panel refresh: the text pump and the fast refresh
+        # run while a reply streams (Replies resumes and pauses them).
+        self.replies.while_live(self.set_interval(PUMP_S, self.replies.pump, pause=True),
+                                self.set_interval(PANEL_S, self.refresh_panel, pause=True))
+        self.set_interval(IDLE_PANEL_S, self.refresh_panel)
         self.refresh_panel()
         self.query_one("#input").focus()
 
@@ -109,14 +116,18 @@ class ChatScreen(ChatActions, Screen):
     def refresh_list(self) -> None:
         search = self.query_one("#search", Input).value.strip() or None
         lv = self.query_one("#conv-list", ListView)
-        lv.clear()
-        for i, c in enumerate(self.store.conversations(search)):
-            mark = "● " if c.id in self.live else ""
-            item = ListItem(Label(mark + c.title), classes="conv-item")
-            item.conv_id = c.id
-            lv.append(item)
-            if c.id == self.conv_id:
-                lv.index = i
+        items = [ConversationItem(c, live=c.id in self.live, current=c.id == self.conv_id)
+                 for c in self.store.conversations(search)]
+        current = next((i for i, item in enumerate(items) if item.has_class("-current")), None)
+        removed, mounted = lv.clear(), lv.extend(items)
+
+        async def cursor_on_current() -> None:
+            # Only once the old rows are gone: until then an index would count them too.
+            await removed
+            await mounted
+            if current is not None and list(lv.children) == items:     # not refilled since
+                lv.index = current
+        self.call_later(cursor_on_current)
 
     @on(Input.Changed, "#search")
     def _search(self) -> None:
@@ -135,9 +146,11 @@ class ChatScreen(ChatActions, Screen):
         again must not pile up empty chats)."""
         if self.conv_id is not None and self.conv_id not in self.live and not self.store.messages(self.conv_id):
             return self.conv_id
-        return self.store.create_conversation("New chat", {}).id
+        return self.store.create_conversation().id
 
     async def open_conversation(self, conv_id: int) -> None:
+        if conv_id != self.conv_id:            # leaving a chat: one left unused must not pile up
+            self.store.drop_empty(keep=conv_id)
         self.conv_id = conv_id
         self.editing = None
         self.replies.stream_view = None
@@ -233,4 +246,6 @@ class ChatScreen(ChatActions, Screen):
         self.replies.interrupt_all()
 
     def on_resize(self, event) -> None:
-        self.set_class(event.size.width < 110, "-narrow")
+        narrow = event.size.width < 110
+        self.set_class(narrow, "-narrow")
+        self.query_one(Footer).compact = narrow          # room for more key hints

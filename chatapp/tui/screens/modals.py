@@ -1,11 +1,14 @@
 """Small modal screens: help, a one-line prompt (rename, model), conversation settings."""
 from __future__ import annotations
 
+from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
+from textual.content import Content
 from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Markdown, OptionList, TextArea
+from textual.worker import get_current_worker
 
 from pdchat.chatapp.backends.base import Settings
 
@@ -23,8 +26,10 @@ HELP = """\
 | Ctrl+Y | copy the focused message (or the last reply) |
 | Ctrl+O | copy the last code block of the focused message (or the last reply) |
 | Ctrl+S | export the conversation to Markdown |
+| F12 | save a screenshot (SVG) into the same folder as the exports |
 | Ctrl+T | show / hide the optimization toggles |
-| Ctrl+G | compare: re-run the last prompt with prefix caching flipped |
+| Ctrl+G | compare: re-run the last prompt with one toggle changed (KV cache, prefix cache, chunk, int8, speculation) |
+| F6 | A/B table: the last two replies side by side (TTFT, prefill, decode, TPOT, cached tokens, acceptance) |
 | Ctrl+F | search conversations |
 | Ctrl+End | jump to the latest text and follow the reply again (scrolling up stops following) |
 | F2 / F8 | rename / delete the conversation |
@@ -106,7 +111,8 @@ class TextPrompt(ModalScreen[str | None]):
 
 
 class ModelPicker(ModalScreen[str | None]):
-    """Pick a model the backend already has, or type any name, hub id, folder or .gguf path."""
+    """Pick a model the backend already has, or type any name, hub id, folder or .gguf path. Each
+    listed model shows its size where the backend can tell without loading it."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
@@ -126,6 +132,23 @@ class ModelPicker(ModalScreen[str | None]):
         if self.current in self.models:
             options.highlighted = self.models.index(self.current)
         options.focus()
+        self._look_up_sizes()
+
+    @work(thread=True, exit_on_error=False)
+    def _look_up_sizes(self) -> None:
+        # Off the UI thread: reading model folders (or the engine's first import) must not freeze it.
+        backend = self.app.backend
+        sizes = [backend.model_size(name) for name in self.models]
+        if not get_current_worker().is_cancelled:
+            self.app.call_from_thread(self._show_sizes, sizes)
+
+    def _show_sizes(self, sizes: list[str | None]) -> None:
+        if not self.is_attached:               # closed while the sizes were looked up
+            return
+        options = self.query_one(OptionList)
+        for i, (name, size) in enumerate(zip(self.models, sizes)):
+            if size:
+                options.replace_option_prompt_at_index(i, Content.assemble(name, (f"  {size}", "$text-muted")))
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
         self.dismiss(self.models[event.option_index])

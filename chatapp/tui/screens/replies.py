@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from textual.containers import VerticalScroll
 from textual.message import Message
+from textual.timer import Timer
 
 from pdchat.chatapp.backends.base import TOGGLES, Done
 from pdchat.chatapp.tui.live import LiveReply
@@ -36,6 +37,13 @@ class Replies:
         self.live: dict[int, LiveReply] = {}      # by conversation: at most one reply each
         self.stream_view: MessageView | None = None
         self._last_save: dict[int, float] = {}
+        self._live_timers: tuple[Timer, ...] = ()
+
+    def while_live(self, *timers: Timer) -> None:
+        """Timers that matter only while a reply streams (the text pump, the panel's fast refresh):
+        start() resumes them and pump() pauses them once no reply is left, so an idle app does
+        not wake up for them."""
+        self._live_timers = timers
 
     async def start(self, conv_id: int, history: list[dict[str, str]], label: str | None = None) -> bool:
         screen = self.screen
@@ -50,6 +58,8 @@ class Replies:
         live.label = label
         live.made_with = self._made_with()
         self.live[conv_id] = live
+        for timer in self._live_timers:
+            timer.resume()
         if conv_id == screen.conv_id:
             await self.show(live)
             screen.query_one("#messages", VerticalScroll).scroll_end(animate=False)
@@ -103,6 +113,9 @@ class Replies:
             elif fragment and now - self._last_save.get(conv_id, 0) >= SAVE_S:
                 screen.store.update_message(live.message_id, content=live.full_text())
                 self._last_save[conv_id] = now
+        if not self.live:              # the last one finished (or its chat was deleted)
+            for timer in self._live_timers:
+                timer.pause()
 
     async def _finish(self, live: LiveReply, view: MessageView | None) -> None:
         screen = self.screen

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from rich.cells import cell_len
 from rich.text import Text
 from textual.containers import VerticalScroll
 from textual.widgets import Static
@@ -16,12 +17,21 @@ from pdchat.themes import roles
 
 from pdchat.chatapp import format as fmt
 from pdchat.chatapp.tui.live import LiveSnapshot
+from pdchat.chatapp.tui.machine_busy import MachineBusy
 
 WIDTH = 34
 
 
-def _row(t: Text, label: str, value: str, style: str = "") -> None:
-    t.append(f"{label:<13}", style="dim")
+def _same_lines(a: Text, b: Text, width: int) -> bool:
+    """True when b takes as many lines as a: as many lines, and none wider than `width` (so none wraps)."""
+    lines_a, lines_b = a.plain.split("\n"), b.plain.split("\n")
+    return len(lines_a) == len(lines_b) and all(cell_len(line) <= width for line in lines_a + lines_b)
+
+
+def _row(t: Text, label: str, value: str, style: str = "", width: int = WIDTH) -> None:
+    """`label  value`; a value too long for the section's width goes under its label, indented,
+    rather than wrapping mid-number."""
+    t.append(f"{label:<13}" if 13 + cell_len(value) <= width else f"{label}\n  ", style="dim")
     t.append(value + "\n", style=style)
 
 
@@ -31,6 +41,7 @@ class TelemetryPanel(VerticalScroll):
         self.device_history: deque[float] = deque(maxlen=WIDTH)
         self.width_cells = WIDTH
         self._sampled_at: float | None = None
+        self.machine_busy = MachineBusy()
 
     def compose(self):
         for name in ("phase", "latency", "timeline", "kv", "batch", "spec", "device"):
@@ -44,13 +55,20 @@ class TelemetryPanel(VerticalScroll):
 
     def _put(self, name: str, text: Text) -> None:
         text.rstrip()
-        self.query_one(f"#tm-{name}", Static).update(text)
+        static = self.query_one(f"#tm-{name}", Static)
+        old = static.content
+        if old == text:
+            return                 # unchanged: no repaint (most sections, most of the time)
+        # A new layout (the costly part of a refresh) only when the section's height may change.
+        static.update(text, layout=not (isinstance(old, Text) and _same_lines(old, text, static.size.width)))
 
     def update_data(self, stats: dict[str, Any], live: LiveSnapshot | None, last: dict | None,
                     caps: dict[str, bool], toggles: dict[str, Any], conv_tokens: int = 0,
                     now: float | None = None) -> None:
         c = roles(self.app)
-        w = max(10, self.size.width - 4) if self.size.width else WIDTH
+        # The sections' width: inside the scrollbar (when the panel scrolls), their border and padding.
+        inner = self.scrollable_content_region.width
+        w = max(10, inner - 4) if inner else WIDTH
         self.width_cells = w
         self._put("phase", self._phase(live, last, c, w))
         self._put("latency", self._latency(live, last, c, w))
@@ -75,15 +93,26 @@ class TelemetryPanel(VerticalScroll):
         elif p == "prefill":
             t.append("● PREFILL ", style=f"bold {c['prefill']}")
             t.append(f"{fmt.ms(live.phase_ms)}\n")
-            t.append(f"{live.computed:,}/{live.total:,} prompt tok")
+            # a long forward under way counts its tokens by the layers it ran ("~")
+            done = f"~{int(live.prefill_done):,}" if live.layers else f"{live.computed:,}"
+            count = f"{done}/{live.total:,} prompt tok"
+            t.append(count)
             if live.cached:
-                t.append(f" ({live.cached:,} cached)", style=c["cached"])
+                cached = f"({live.cached:,} cached)"
+                t.append(" " if cell_len(count + cached) < w else "\n")
+                t.append(cached, style=c["cached"])
             t.append("\n")
             total = max(1, live.total)
-            cached, done = fmt.bar([live.cached / total, (live.computed - live.cached) / total], w)
+            cached, done = fmt.bar([live.cached / total, (live.prefill_done - live.cached) / total], w)
             t.append("█" * cached, style=c["cached"])
             t.append("█" * done, style=c["prefill"])
-            t.append("░" * (w - cached - done), style="dim")
+            t.append("░" * (w - cached - done) + "\n", style="dim")
+            if live.prefill_tok_s is None:
+                t.append("measuring the prefill rate…", style="dim")
+            else:
+                t.append(f"{fmt.rate(live.prefill_tok_s)} · ~{fmt.seconds(live.prefill_left_ms)} left", style=c["prefill"])
+            if live.layers:
+                t.append(f"\nforward at layer {live.layers_done} of {live.layers}", style="dim")
         elif p == "decode":
             t.append("● DECODE ", style=f"bold {c['decode']}")
             t.append(f"{fmt.rate(live.decode_tok_s)}\n")
@@ -101,6 +130,9 @@ class TelemetryPanel(VerticalScroll):
         t = Text()
         _row(t, "TTFT", fmt.ms(m.get("ttft_ms")), c["prefill"])
         _row(t, "prefill", fmt.rate(m.get("prefill_tok_s")), c["prefill"])
+        if m.get("cached_prompt_tokens"):      # the rate counts computed tokens only: say how many were not
+            _row(t, "cached", f"{m['cached_prompt_tokens']:,} of {m.get('prompt_tokens') or 0:,} tok",
+                 c["cached"], width=w)
         _row(t, "decode", fmt.rate(m.get("decode_tok_s")), c["decode"])
         _row(t, "TPOT", fmt.ms(m.get("tpot_ms")), c["decode"])
         itl = m.get("itl_ms") or []
@@ -130,9 +162,10 @@ class TelemetryPanel(VerticalScroll):
         t.append("▇" * a, style=c["prefill"])
         t.append("▇" * b, style=c["decode"])
         t.append("\n")
-        t.append(f"pause {fmt.ms(pre)}", style=c["prefill"])
-        t.append(" · ")
-        t.append(f"stream {fmt.ms(dec)}", style=c["decode"])
+        pause, stream = f"pause {fmt.ms(pre)}", f"stream {fmt.ms(dec)}"
+        t.append(pause, style=c["prefill"])
+        t.append(" · " if cell_len(pause + stream) + 3 <= w else "\n")
+        t.append(stream, style=c["decode"])
         return t
 
     def _kv(self, s: dict, c: dict, w: int, conv_tokens: int) -> Text:
@@ -150,14 +183,17 @@ class TelemetryPanel(VerticalScroll):
         t.append(f"{used:,} used", style=c["kv"])
         t.append(" · ")
         t.append(f"{cached:,} cached", style=c["cached"])
-        t.append(f" · {free:,} free\n")
-        _row(t, "memory", f"{fmt.size(s.get('kv_bytes_used'))} / {fmt.size(s.get('kv_bytes_total'))}")
+        # the free count on a line of its own where the three do not fit the section's width
+        counts = f"{used:,} used · {cached:,} cached · {free:,} free"
+        t.append(f"\n{free:,} free\n" if len(counts) > w else f" · {free:,} free\n")
+        _row(t, "memory", f"{fmt.size(s.get('kv_bytes_used'))} / {fmt.size(s.get('kv_bytes_total'))}", width=w)
         bpt = s.get("kv_bytes_per_token")
         _row(t, "per token", fmt.size(bpt))
         share = None
         if bpt and s.get("kv_bytes_total") and conv_tokens:
             share = 100 * conv_tokens * bpt / s["kv_bytes_total"]
-        _row(t, "this chat", f"{conv_tokens:,} tok ({fmt.pct(share) if share is None or share >= 1 else '<1%'})")
+        _row(t, "this chat", f"{conv_tokens:,} tok ({fmt.pct(share) if share is None or share >= 1 else '<1%'})",
+             width=w)
         t.append(f"{'hit rate':<13}", style="dim")
         hr = s.get("prefix_hit_rate")
         t.append(fmt.pct(None if hr is None else 100 * hr))
@@ -193,23 +229,33 @@ class TelemetryPanel(VerticalScroll):
         return t
 
     def _device(self, s: dict, c: dict, w: int, now: float | None) -> Text:
+        """The device's use and history, then the machine's CPU beside pdchat's own (both % of all
+        the machine's CPUs) and a warning when other processes keep the machine busy."""
         t = Text()
         device = s.get("device") or fmt.NA
         gpu = device.startswith("cuda")
-        util = s.get("device_util_pct") if gpu else s.get("cpu_util_pct")
+        machine, own = s.get("cpu_util_pct"), s.get("process_cpu_pct")
+        util = s.get("device_util_pct") if gpu else machine
         # one sample per 0.2 s of the backend's clock (a fake clock that stands still adds none)
         if util is not None and (now is None or self._sampled_at is None or now - self._sampled_at >= 0.2):
             self.device_history.append(util)
             self._sampled_at = now
         t.append(f"{(s.get('device_name') or device)}\n", style=f"bold {c['gpu']}")
-        _row(t, "GPU util" if gpu else "CPU util", fmt.pct(util), c["gpu"])
+        _row(t, "GPU util" if gpu else "machine CPU", fmt.pct(util), c["gpu"])
         spark = fmt.sparkline(list(self.device_history) + [100.0], w - 13)[:-1] if self.device_history else ""
         t.append(" " * 13 + (spark or fmt.NA) + "\n", style=c["gpu"])
         if gpu:
-            _row(t, "memory", f"{fmt.size(s.get('device_mem_used'))} / {fmt.size(s.get('device_mem_total'))}")
+            _row(t, "memory", f"{fmt.size(s.get('device_mem_used'))} / {fmt.size(s.get('device_mem_total'))}",
+                 width=w)
             p = s.get("device_power_w")
             _row(t, "power", fmt.NA if p is None else f"{p:,.0f} W")
-        _row(t, "RSS", fmt.size(s.get("rss_bytes")))
+            _row(t, "machine CPU", fmt.pct(machine))
+        _row(t, "pdchat CPU", fmt.NA if own is None else f"{fmt.pct(own)} of machine")
+        _row(t, "pdchat RSS", fmt.size(s.get("rss_bytes")))
         t.append(f"{'weights':<13}", style="dim")
         t.append(fmt.size(s.get("weight_bytes")))
+        others = self.machine_busy.update(now, machine, own)
+        if others is not None:
+            warning = self.app.theme_variables.get("warning", "yellow")
+            t.append(f"\nmachine busy: others {fmt.pct(others)}\ntimings will be noisy", style=f"bold {warning}")
         return t

@@ -1,0 +1,41 @@
+"""Every line of every telemetry section fits its section at 80x24 and 160x48, in each phase of a
+reply: a line that wraps breaks bars and splits numbers."""
+from __future__ import annotations
+
+import pytest
+from rich.cells import cell_len
+
+from tests.doubles.fake_backend import FakeBackend
+
+from .helpers import idle, ready, send, wait_for
+
+pytestmark = pytest.mark.anyio
+
+SECTIONS = ("phase", "latency", "timeline", "kv", "batch", "spec", "device")
+
+
+def overflowing(app) -> list[tuple[str, str, int]]:
+    out = []
+    for name in SECTIONS:
+        section = app.chat.query_one(f"#tm-{name}")
+        width = section.content_size.width
+        out += [(name, line, width) for line in str(section.render()).split("\n") if cell_len(line) > width]
+    return out
+
+
+@pytest.mark.parametrize("size", [(80, 24), (160, 48)])
+async def test_no_section_line_wraps_in_any_phase(make_app, size):
+    app = make_app(FakeBackend(hold="prefill"))
+    async with app.run_test(size=size) as pilot:
+        await ready(pilot)
+        await send(pilot, " ".join(f"w{i}" for i in range(2497)))      # 10,000 prompt tokens
+        await wait_for(pilot, app.backend.held.is_set)
+        await pilot.pause(0.3)
+        assert overflowing(app) == []                                   # prefill, layer by layer
+        app.backend.release()
+        await idle(pilot)
+        await send(pilot, "and a second turn, mostly cached")
+        await idle(pilot)
+        assert app.chat.last_metrics()["cached_prompt_tokens"] > 0
+        await pilot.pause(0.3)
+        assert overflowing(app) == []                                   # finished, with a cache hit
