@@ -77,8 +77,10 @@ class Engine:
         self.runner = ModelRunner(self.loaded.model, mc, self.device, self.dtype, num_blocks, cfg.block_size)
         self._set_quant(cfg.quant)
         self._set_spec(cfg.spec)
+        # Layer-by-layer prefill reports on a CPU only: a GPU queues the layers in microseconds.
         self.outputs = OutputProcessor(self.tokenizer, self.loaded.eos_token_ids, self.max_model_len,
-                                       self.scheduler, self.blocks, self.speculative)
+                                       self.scheduler, self.blocks, self.speculative,
+                                       layers=mc.num_layers if self.device.type == "cpu" else 0)
         self.monitor = None
         if cfg.telemetry:
             from .telemetry import DeviceMonitor
@@ -162,12 +164,9 @@ class Engine:
         self.outputs.prefill_starting(plan.items)
         drafts, reserved = ({}, []) if not self.scheduler.kv_cache else \
             self.speculative.propose(plan.items, self.blocks, self.max_model_len)
-        # Layer by layer only where the forward runs in step with Python (on a GPU the layers are
-        # queued in microseconds and the time is spent after).
-        on_layer = self.outputs.layer_progress(plan.items, self.model_config.num_layers) \
-            if self.device.type == "cpu" else None
         try:
-            out = self.runner.run_step(plan.items, {i: d.tokens for i, d in drafts.items()}, on_layer)
+            out = self.runner.run_step(plan.items, {i: d.tokens for i, d in drafts.items()},
+                                       self.outputs.layer_progress(plan.items))
         except Exception as e:
             self.outputs.fail([item.seq for item in plan.items], e)
             return plan

@@ -29,13 +29,14 @@ LAYER_PROGRESS_TOKENS = 256
 
 class OutputProcessor:
     def __init__(self, tokenizer: Any, eos_token_ids: frozenset[int], max_model_len: int,
-                 scheduler: Scheduler, blocks: BlockManager, speculative: SpeculativeDecoder):
+                 scheduler: Scheduler, blocks: BlockManager, speculative: SpeculativeDecoder, layers: int = 0):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.scheduler = scheduler
         self.blocks = blocks
         self.speculative = speculative
+        self.layers = layers                 # the model's, to report a long prefill by; 0: never
         self.live: dict[str, Sequence] = {}
         self._text: dict[str, TextOutput] = {}
 
@@ -88,11 +89,11 @@ class OutputProcessor:
             if seq.t_first_token is None and seq.num_computed_tokens == (seq.num_cached_prompt_tokens or 0):
                 self.progress(seq, "prefill", seq.num_computed_tokens)
 
-    def layer_progress(self, items: list[ScheduledSeq], num_layers: int) -> Callable[[int], None] | None:
+    def layer_progress(self, items: list[ScheduledSeq]) -> Callable[[int], None] | None:
         """A forward that prefills LAYER_PROGRESS_TOKENS or more of a prompt takes seconds on a CPU:
         a callback that reports its way through the layers to those requests (None: none such)."""
         long = [i for i in items if i.seq.in_prefill and i.num_tokens >= LAYER_PROGRESS_TOKENS]
-        if not long:
+        if not long or not self.layers:
             return None
 
         def on_layer(done: int) -> None:
@@ -101,7 +102,7 @@ class OutputProcessor:
                 seq = item.seq
                 seq.sink.put(ProgressEvent("prefill", seq.num_computed_tokens, seq.num_prompt_tokens,
                                            seq.num_cached_prompt_tokens or 0, now, layers_done=done,
-                                           layers=num_layers, step_tokens=item.num_tokens))
+                                           layers=self.layers, step_tokens=item.num_tokens))
         return on_layer
 
     def process(self, plan: StepPlan, out: StepLogits, drafts: dict[int, Draft], reserved: list[int],

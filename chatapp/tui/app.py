@@ -19,7 +19,8 @@ from pdchat.chatapp.backends.base import Backend, Settings, Toggles
 from pdchat.chatapp.tui.palette import palette_commands
 from pdchat.chatapp.tui.toggle_control import ToggleControl
 from pdchat.chatapp.tui.loading import BackendLoaded, LoadProgress, start_load
-from pdchat.chatapp.tui.screens.actions import CompareRequested, ModelRequested, save_screenshot
+from pdchat.chatapp.tui.screens.actions import ModelRequested, save_screenshot
+from pdchat.chatapp.tui.screens.compare import CompareRequested
 from pdchat.chatapp.tui.screens.chat import ChatScreen
 from pdchat.chatapp.tui.screens.replies import ReplyFinished
 from pdchat.chatapp.tui.screens.lab import LabScreen, lab_runner

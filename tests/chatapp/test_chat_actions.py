@@ -410,20 +410,19 @@ async def test_an_empty_chat_shows_the_welcome_and_the_help_explains_the_numbers
 
 
 def test_the_panel_never_shows_more_tokens_per_verify_than_a_verify_can_give():
-    from pdchat.chatapp.tui.widgets.telemetry import TelemetryPanel
-    panel = TelemetryPanel()
+    from pdchat.chatapp.tui.widgets.panel_sections import spec_text
     # 18 drafts accepted over 5 verifies with k = 4, but the reply stopped after 20 tokens: the
     # drafts accepted past the stop were never appended. A verify gives at most k + 1 = 5 tokens.
     last = {"spec_drafted": 20, "spec_accepted": 18, "spec_steps": 5, "spec_mean_accepted": 3.6,
             "output_tokens": 20}
-    text = panel._spec(last, {"spec": True}, {"spec": "ngram"}).plain
+    text = spec_text(last, {"spec": True}, {"spec": "ngram"}).plain
     assert "per verify   4.60 tok" in text and "tok/step" not in text
 
 
 @pytest.mark.parametrize("reason, mark", [("stop", "✓"), ("length", "✓"), ("cancelled", "■"), ("error", "✗")])
 def test_the_last_reply_is_marked_by_how_it_ended(reason, mark):
-    from pdchat.chatapp.tui.widgets.telemetry import TelemetryPanel
-    text = TelemetryPanel()._phase(None, {"finish_reason": reason}, {}, 30).plain
+    from pdchat.chatapp.tui.widgets.panel_sections import phase_text
+    text = phase_text(None, {"finish_reason": reason}, {}, 30).plain
     assert text == f"{mark} last reply: {reason}"
 
 

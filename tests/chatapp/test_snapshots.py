@@ -4,11 +4,21 @@ Update after an intended visual change: .venv/bin/pytest tests/chatapp/test_snap
 """
 from __future__ import annotations
 
+import pytest
+
+from pdchat.chatapp.tui.widgets import conversations
 from tests.doubles.fake_backend import FakeBackend
 
 from .helpers import idle, ready, send, wait_for
 
 LONG_PROMPT = " ".join(f"word{i}" for i in range(120))   # 492 prompt tokens: held halfway through the layers
+
+
+@pytest.fixture(autouse=True)
+def _fixed_wall_clock(monkeypatch):
+    # The conversation list shows when each chat's last message came (wall-clock time): fixed
+    # here, or every snapshot would change from one minute to the next.
+    monkeypatch.setattr(conversations, "when", lambda updated, now=None: "12:00")
 
 
 def start(**kw):

@@ -14,7 +14,6 @@ from textual.message import Message
 from pdchat.chatapp import format as fmt
 from pdchat.chatapp.tui.widgets.chat_input import ChatInput
 from pdchat.chatapp.tui.widgets.messages import MessageView, code_blocks
-from pdchat.chatapp.tui.screens.compare import ABTable, CompareChooser, compare_choices
 from pdchat.chatapp.tui.screens.modals import WELCOME, HelpScreen, ModelPicker, SettingsScreen, TextPrompt
 from pdchat.chatapp.tui.screens.replies import ReplyFinished
 
@@ -55,15 +54,6 @@ class ModelRequested(Message):
     def __init__(self, model: str):
         super().__init__()
         self.model = model
-
-
-class CompareRequested(Message):
-    """Re-run the last prompt of `conv_id` with `changes` to the toggles (the app owns them)."""
-
-    def __init__(self, conv_id: int, changes: dict):
-        super().__init__()
-        self.conv_id = conv_id
-        self.changes = changes
 
 
 class ChatActions:
@@ -120,41 +110,6 @@ class ChatActions:
             self.notify("A reply is still being generated here.", severity="warning")
             return False
         return True
-
-    def action_compare(self: "ChatScreen") -> None:
-        """Re-run the last prompt with one toggle changed (chosen in a list); both replies keep
-        their summaries and F6 shows them side by side."""
-        if not self._can_generate():
-            return
-        msgs = self.store.messages(self.conv_id)
-        if not msgs or msgs[-1].role != "assistant":
-            self.notify("Compare needs a finished reply to compare with.", severity="warning")
-            return
-        choices = compare_choices(self.app.toggles.to_dict(), self.backend.capabilities)
-        if not choices:
-            self.notify("This backend has no toggle to compare.", severity="warning")
-            return
-        conv_id = self.conv_id
-
-        def chosen(changes: dict | None) -> None:
-            if changes:
-                self.post_message(CompareRequested(conv_id, changes))
-        self.app.push_screen(CompareChooser(choices), chosen)
-
-    def action_ab_table(self: "ChatScreen") -> None:
-        """The last two replies of this conversation side by side."""
-        replies = [m for m in self.store.messages(self.conv_id) if m.role == "assistant" and m.metrics] \
-            if self.conv_id is not None else []
-        if len(replies) < 2:
-            self.notify("The A/B table needs two finished replies here (Ctrl+G makes the second).",
-                        severity="warning")
-            return
-        self.app.push_screen(ABTable(replies[-2].metrics, replies[-1].metrics))
-
-    async def start_compare(self: "ChatScreen", conv_id: int, label: str) -> bool:
-        """The compared reply answers the same prompt: the previous reply is left out of its history."""
-        self._compare_skip = self.store.messages(conv_id)[-1].id
-        return await self.start_reply(conv_id, label=label)
 
     # ---- copy / export --------------------------------------------------------------------------
     def _target(self: "ChatScreen") -> MessageView | None:

@@ -1,8 +1,9 @@
 """The main screen: conversation list, messages + input, toggles and the telemetry panel.
 
-Its parts: replies.py streams the replies in flight, actions.py holds what the keys do. It tells
-the app what it needs through messages (a finished reply, a model or a compare asked for); the
-app sets what the screen shows (toggles, capabilities) from above.
+Its parts: replies.py streams the replies in flight, actions.py holds what the keys do, compare.py
+Compare and the A/B table. It tells the app what it needs through messages (a finished reply, a
+model or a compare asked for); the app sets what the screen shows (toggles, capabilities) from
+above.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from textual.widgets import Footer, Header, Input, ListView, Markdown, Static
 from pdchat.chatapp.backends.base import Settings
 from pdchat.chatapp.tui.live import LiveReply
 from pdchat.chatapp.tui.screens.actions import ChatActions
+from pdchat.chatapp.tui.screens.compare import CompareActions
 from pdchat.chatapp.tui.screens.modals import WELCOME
 from pdchat.chatapp.tui.screens.replies import Replies
 from pdchat.chatapp.tui.widgets.chat_input import ChatInput
@@ -53,7 +55,7 @@ BINDINGS = [
 ]
 
 
-class ChatScreen(ChatActions, Screen):
+class ChatScreen(ChatActions, CompareActions, Screen):
     BINDINGS = BINDINGS
 
     def __init__(self):

@@ -1,20 +1,24 @@
 """Compare: re-run the last prompt with one toggle changed (the chooser), then read the two
-replies side by side (the A/B table). The choices come from the settings declaration, so a new
-toggle is comparable without a change here."""
+replies side by side (the A/B table), and the chat screen's keys for both. The choices come from
+the settings declaration, so a new toggle is comparable without a change here."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
+from textual.message import Message
 from textual.screen import ModalScreen
 from textual.widgets import Label, OptionList, Static
 
 from pdchat.chatapp import format as fmt
 from pdchat.engine.settings import ENGINE, TOGGLES
+
+if TYPE_CHECKING:
+    from pdchat.chatapp.tui.screens.chat import ChatScreen
 
 
 def compare_choices(toggles: dict[str, Any], caps: dict[str, bool]) -> list[tuple[str, dict[str, Any]]]:
@@ -113,3 +117,51 @@ class ABTable(ModalScreen[None]):
 
     def action_close(self) -> None:
         self.dismiss(None)
+
+
+class CompareRequested(Message):
+    """Re-run the last prompt of `conv_id` with `changes` to the toggles (the app owns them)."""
+
+    def __init__(self, conv_id: int, changes: dict):
+        super().__init__()
+        self.conv_id = conv_id
+        self.changes = changes
+
+
+class CompareActions:
+    """The chat screen's Compare (Ctrl+G) and A/B table (F6) keys; `self` is the ChatScreen."""
+
+    def action_compare(self: "ChatScreen") -> None:
+        """Re-run the last prompt with one toggle changed (chosen in a list); both replies keep
+        their summaries and F6 shows them side by side."""
+        if not self._can_generate():
+            return
+        msgs = self.store.messages(self.conv_id)
+        if not msgs or msgs[-1].role != "assistant":
+            self.notify("Compare needs a finished reply to compare with.", severity="warning")
+            return
+        choices = compare_choices(self.app.toggles.to_dict(), self.backend.capabilities)
+        if not choices:
+            self.notify("This backend has no toggle to compare.", severity="warning")
+            return
+        conv_id = self.conv_id
+
+        def chosen(changes: dict | None) -> None:
+            if changes:
+                self.post_message(CompareRequested(conv_id, changes))
+        self.app.push_screen(CompareChooser(choices), chosen)
+
+    def action_ab_table(self: "ChatScreen") -> None:
+        """The last two replies of this conversation side by side."""
+        replies = [m for m in self.store.messages(self.conv_id) if m.role == "assistant" and m.metrics] \
+            if self.conv_id is not None else []
+        if len(replies) < 2:
+            self.notify("The A/B table needs two finished replies here (Ctrl+G makes the second).",
+                        severity="warning")
+            return
+        self.app.push_screen(ABTable(replies[-2].metrics, replies[-1].metrics))
+
+    async def start_compare(self: "ChatScreen", conv_id: int, label: str) -> bool:
+        """The compared reply answers the same prompt: the previous reply is left out of its history."""
+        self._compare_skip = self.store.messages(conv_id)[-1].id
+        return await self.start_reply(conv_id, label=label)
