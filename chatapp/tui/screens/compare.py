@@ -113,7 +113,8 @@ class ABTable(ModalScreen[None]):
         with Vertical(classes="modal-box ab-box"):
             yield Label("A/B: the last two replies", classes="modal-title")
             yield Static(table, id="ab-table")
-            yield Label(Text("Esc closes. Timings vary run to run by a few percent.", style="dim"))
+            yield Label(Text("One run each: timings vary between runs (the first long prompt after a start "
+                             "runs slower), so repeat a surprising result. Esc closes.", style="dim"))
 
     def action_close(self) -> None:
         self.dismiss(None)
