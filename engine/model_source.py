@@ -121,10 +121,6 @@ def cached_models() -> list[tuple[str, Path, int]]:
     return out
 
 
-def _bytes_under(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-
-
 @dataclass(frozen=True)
 class ModelSize:
     """What a model weighs, as far as local files tell; None where they do not."""
