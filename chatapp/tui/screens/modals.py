@@ -75,6 +75,7 @@ Try:
 - paste a long text, ask for a summary: the prefill pause
 - **Ctrl+T**, KV cache off, ask again: naive decoding
 - ask about the same long text twice: the prefix cache
+- **Ctrl+G** after a reply: again with one toggle changed, **F6** side by side
 
 **F1**: keys, and what TTFT, TPOT, ITL and KV mean.
 """
