@@ -77,11 +77,11 @@ def test_a_failed_forward_ends_its_step_and_the_engine_goes_on(engine, solo, mon
     real_forward = engine.runner.forward
     calls = {"n": 0}
 
-    def forward(work, rows):
+    def forward(work, rows, on_layer=None):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("simulated device fault")
-        return real_forward(work, rows)
+        return real_forward(work, rows, on_layer)
 
     monkeypatch.setattr(engine.runner, "forward", forward)
     first = engine.submit(PROMPTS[0], VICTIM).result(timeout=60)
