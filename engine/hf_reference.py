@@ -16,7 +16,7 @@ def hf_model_for(engine, dtype: torch.dtype = torch.float32, device: str | torch
     cfg = AutoConfig.for_model(**dict(engine.loaded.hf_config))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    state = load_hf_state_dict(files, torch.device(device), dtype, seed=engine.config.seed)
+    state = dict(load_hf_state_dict(files, torch.device(device), dtype, seed=engine.config.seed))
     if cfg.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     # assign=True adopts our tensors (no copy, no init); buffers that are not weights (RoPE

@@ -5,11 +5,12 @@ import json
 import zlib
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
 from . import quant
+from .checkpoint import GeneratedWeights, SafetensorsWeights
 from .errors import DeviceUnavailable, ModelLoadError
 from .model import Transformer
 from .model_config import ModelConfig
@@ -64,24 +65,21 @@ def hf_config_of(files: ModelFiles) -> dict[str, Any]:
         raise ModelLoadError(f"unreadable config.json in {files.path}: {e}") from e
 
 
-def load_hf_state_dict(files: ModelFiles, device: torch.device, dtype: torch.dtype, seed: int = 0) -> dict:
+def load_hf_state_dict(files: ModelFiles, device: torch.device, dtype: torch.dtype,
+                       seed: int = 0) -> Mapping[str, torch.Tensor]:
+    """The checkpoint's tensors by Hugging Face name, each read (or generated) when it is looked
+    up, once (checkpoint.py): loading never holds a second copy of the whole model."""
     if files.random_preset is not None:
-        from .random_models import random_state_dict
+        from .random_models import random_weights, weight_specs
+        cfg = hf_config_of(files)
         # Presets of the same shape still get different weights.
         seed = seed + zlib.crc32(files.random_preset.encode())
-        return random_state_dict(hf_config_of(files), seed=seed, device=device, dtype=dtype)
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-    state: dict[str, torch.Tensor] = {}
+        return GeneratedWeights([name for name, *_ in weight_specs(cfg)],
+                                random_weights(cfg, seed=seed, device=device, dtype=dtype))
     shards = sorted(files.path.glob("*.safetensors"))
     if not shards:
         raise ModelLoadError(f"no .safetensors weights in {files.path}")
-    for shard in shards:
-        try:
-            state.update(load_file(str(shard)))
-        except (SafetensorError, OSError) as e:
-            raise ModelLoadError(f"corrupt weights file {shard}: {e}") from e
-    return state
+    return SafetensorsWeights(shards)
 
 
 def load_tokenizer(files: ModelFiles) -> Any:

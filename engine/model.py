@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Callable, Mapping, NamedTuple
+from typing import Callable, Iterator, Mapping, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -209,7 +209,17 @@ class Transformer(nn.Module):
     # ---- weights ---------------------------------------------------------------------------
     @torch.no_grad()
     def load_hf_state_dict(self, hf: Mapping[str, torch.Tensor]) -> None:
-        """Copy weights named as in Hugging Face checkpoints, fusing q/k/v and gate/up."""
+        """Copy weights named as in Hugging Face checkpoints into ours, fusing q/k/v and gate/up,
+        one tensor at a time: `hf` may read each one only when it is looked up (checkpoint.py)."""
+        params = dict(self.named_parameters())
+        for name, tensor in self._from_hf(hf):
+            dst = params[name]
+            if dst.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dst.shape)}")
+            dst.copy_(tensor)
+
+    def _from_hf(self, hf: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        """(our parameter name, its tensor) for every weight, each Hugging Face name looked up once."""
         cfg = self.cfg
 
         def take(name: str) -> torch.Tensor:
@@ -218,31 +228,25 @@ class Transformer(nn.Module):
             except KeyError:
                 raise KeyError(f"weight {name!r} missing from checkpoint") from None
 
-        own = {"embed.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
+        embed = take("model.embed_tokens.weight")
+        yield "embed.weight", embed
+        yield "norm.weight", take("model.norm.weight")
         if self.lm_head is not None:
-            own["lm_head.weight"] = hf.get("lm_head.weight", own["embed.weight"])
+            yield "lm_head.weight", take("lm_head.weight") if "lm_head.weight" in hf else embed
         for i in range(cfg.num_layers):
             p, a = f"model.layers.{i}.", f"layers.{i}."
             attn = p + "self_attn."
-            own[a + "attn.qkv.weight"] = torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"])
+            yield a + "attn.qkv.weight", torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"])
             if cfg.qkv_bias:
-                own[a + "attn.qkv.bias"] = torch.cat([take(attn + f"{n}_proj.bias") for n in "qkv"])
+                yield a + "attn.qkv.bias", torch.cat([take(attn + f"{n}_proj.bias") for n in "qkv"])
             if cfg.qk_norm:
-                own[a + "attn.q_norm.weight"] = take(attn + "q_norm.weight")
-                own[a + "attn.k_norm.weight"] = take(attn + "k_norm.weight")
-            own[a + "attn.o.weight"] = take(attn + "o_proj.weight")
-            own[a + "mlp.gate_up.weight"] = torch.cat(
-                [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
-            )
-            own[a + "mlp.down.weight"] = take(p + "mlp.down_proj.weight")
-            own[a + "norm_attn.weight"] = take(p + "input_layernorm.weight")
-            own[a + "norm_mlp.weight"] = take(p + "post_attention_layernorm.weight")
-        params = dict(self.named_parameters())
-        for name, tensor in own.items():
-            dst = params[name]
-            if dst.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dst.shape)}")
-            dst.copy_(tensor)
+                yield a + "attn.q_norm.weight", take(attn + "q_norm.weight")
+                yield a + "attn.k_norm.weight", take(attn + "k_norm.weight")
+            yield a + "attn.o.weight", take(attn + "o_proj.weight")
+            yield a + "mlp.gate_up.weight", torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            yield a + "mlp.down.weight", take(p + "mlp.down_proj.weight")
+            yield a + "norm_attn.weight", take(p + "input_layernorm.weight")
+            yield a + "norm_mlp.weight", take(p + "post_attention_layernorm.weight")
 
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())

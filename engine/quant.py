@@ -28,11 +28,19 @@ class QuantSwitch:
         self.version = 0     # bumped when any layer's int8 weights change (cached kernel plans go stale)
 
 
+QUANT_ROWS = 4096
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row quantization: weight [N, K] -> (int8 [N, K], fp32 scales [N])."""
-    w = weight.float()
-    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    """Symmetric per-row quantization: weight [N, K] -> (int8 [N, K], fp32 scales [N]), QUANT_ROWS
+    rows at a time: a vocabulary-sized matrix in one go made GBs of fp32 temporaries."""
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scales = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    for lo in range(0, weight.shape[0], QUANT_ROWS):
+        w = weight[lo:lo + QUANT_ROWS].float()
+        s = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        q[lo:lo + QUANT_ROWS] = torch.round(w / s[:, None]).clamp(-127, 127)
+        scales[lo:lo + QUANT_ROWS] = s
     return q, scales
 
 

@@ -6,7 +6,7 @@ Face names, so they load through the same path as real checkpoints and into tran
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -57,48 +57,55 @@ def preset_config(name: str) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def random_state_dict(cfg: dict[str, Any], seed: int = 0, device: str | torch.device = "cpu",
-                      dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Seeded weights with Hugging Face names. Linear layers get std 1/sqrt(fan_in) so every
-    layer matters (tests then exercise attention, not just the embedding)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
+def weight_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...], float, float]]:
+    """Every weight of a preset in generation order: (Hugging Face name, shape, std, offset); the
+    value is offset + std * N(0, 1). Linear layers get std 1/sqrt(fan_in) so every layer matters
+    (tests then exercise attention, not just the embedding)."""
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
     heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     hd = cfg.get("head_dim") or h // heads
     mtype = cfg["model_type"]
 
-    def normal(*shape: int, std: float) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, device=device, dtype=dtype) * std
+    def linear(name: str, out_f: int, in_f: int) -> tuple[str, tuple[int, ...], float, float]:
+        return name, (out_f, in_f), 1 / math.sqrt(in_f), 0.0
 
-    def linear(out_f: int, in_f: int) -> torch.Tensor:
-        return normal(out_f, in_f, std=1 / math.sqrt(in_f))
-
-    def norm(dim: int) -> torch.Tensor:
-        return 1 + normal(dim, std=0.1)
+    def norm(name: str, dim: int) -> tuple[str, tuple[int, ...], float, float]:
+        return name, (dim,), 0.1, 1.0
 
     # The final norm gets random signs: with tied embeddings a positive one makes every token
     # predict itself (logit = |e|^2), and greedy text degenerates into repeats.
-    sd = {"model.embed_tokens.weight": normal(cfg["vocab_size"], h, std=1.0), "model.norm.weight": normal(h, std=1.0)}
+    specs = [("model.embed_tokens.weight", (cfg["vocab_size"], h), 1.0, 0.0), ("model.norm.weight", (h,), 1.0, 0.0)]
     if not cfg.get("tie_word_embeddings"):
-        sd["lm_head.weight"] = linear(cfg["vocab_size"], h)
+        specs.append(linear("lm_head.weight", cfg["vocab_size"], h))
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        sd[p + "self_attn.q_proj.weight"] = linear(heads * hd, h)
-        sd[p + "self_attn.k_proj.weight"] = linear(kv * hd, h)
-        sd[p + "self_attn.v_proj.weight"] = linear(kv * hd, h)
-        sd[p + "self_attn.o_proj.weight"] = linear(h, heads * hd)
+        specs += [linear(p + "self_attn.q_proj.weight", heads * hd, h), linear(p + "self_attn.k_proj.weight", kv * hd, h),
+                  linear(p + "self_attn.v_proj.weight", kv * hd, h), linear(p + "self_attn.o_proj.weight", h, heads * hd)]
         if mtype == "qwen2":
-            for n, size in (("q", heads * hd), ("k", kv * hd), ("v", kv * hd)):
-                sd[p + f"self_attn.{n}_proj.bias"] = normal(size, std=0.1)
+            specs += [(p + f"self_attn.{n}_proj.bias", (size,), 0.1, 0.0)
+                      for n, size in (("q", heads * hd), ("k", kv * hd), ("v", kv * hd))]
         if mtype == "qwen3":
-            sd[p + "self_attn.q_norm.weight"] = norm(hd)
-            sd[p + "self_attn.k_norm.weight"] = norm(hd)
-        sd[p + "mlp.gate_proj.weight"] = linear(inter, h)
-        sd[p + "mlp.up_proj.weight"] = linear(inter, h)
-        sd[p + "mlp.down_proj.weight"] = linear(h, inter)
-        sd[p + "input_layernorm.weight"] = norm(h)
-        sd[p + "post_attention_layernorm.weight"] = norm(h)
-    return sd
+            specs += [norm(p + "self_attn.q_norm.weight", hd), norm(p + "self_attn.k_norm.weight", hd)]
+        specs += [linear(p + "mlp.gate_proj.weight", inter, h), linear(p + "mlp.up_proj.weight", inter, h),
+                  linear(p + "mlp.down_proj.weight", h, inter), norm(p + "input_layernorm.weight", h),
+                  norm(p + "post_attention_layernorm.weight", h)]
+    return specs
+
+
+def random_weights(cfg: dict[str, Any], seed: int = 0, device: str | torch.device = "cpu",
+                   dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    """The preset's seeded weights one at a time, in weight_specs' order (the same values as
+    random_state_dict, without holding them all)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, shape, std, offset in weight_specs(cfg):
+        t = torch.randn(*shape, generator=gen, device=device, dtype=dtype) * std
+        yield name, (t + offset if offset else t)
+
+
+def random_state_dict(cfg: dict[str, Any], seed: int = 0, device: str | torch.device = "cpu",
+                      dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """All of a preset's seeded weights by Hugging Face name (for a Hugging Face model to adopt)."""
+    return dict(random_weights(cfg, seed, device, dtype))
 
 
 CHATML_TEMPLATE = (
