@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import psutil
 import torch
 
 from pdchat import kernels
@@ -14,7 +15,11 @@ from .config import EngineConfig
 from .errors import InvalidRequest, KVCacheTooSmall
 from .paths import cache_dir
 
-CPU_KV_MB = 512
+# The CPU pool by default: room for CPU_KV_TOKENS tokens of this model (two 8K conversations, or
+# twice a shorter context), at most CPU_KV_MEMORY_SHARE of the memory available once the weights
+# are in. (It was a fixed 512 MB: 11K tokens of the default model, 4K of an 8B one.)
+CPU_KV_TOKENS = 16384
+CPU_KV_MEMORY_SHARE = 0.25
 # Default prefill chunk sizes. CPU: the largest size whose worst stall of a running stream stays
 # within 5x its TPOT in `pdchat bench toggles` (2026-11-22, 2-core EPYC: 32 -> 3.7x, 64 -> 6.0x).
 # GPU: a common serving default, not yet measured here (no GPU was at hand).
@@ -29,9 +34,11 @@ def chunk_for(chunk_size: int | None | str, device: torch.device) -> int | None:
     return chunk_size
 
 
-def kv_pool_blocks(cfg: EngineConfig, device: torch.device, bytes_per_token: int, max_model_len: int) -> int:
+def kv_pool_blocks(cfg: EngineConfig, device: torch.device, bytes_per_token: int, max_model_len: int,
+                   available: int | None = None) -> int:
     """Blocks in the KV pool: an exact count, else a byte budget (set, or the device's default)
-    divided by a block's bytes, never more than max_num_seqs full-length requests can use."""
+    divided by a block's bytes, never more than max_num_seqs full-length requests can use.
+    `available`: the memory free now (default: what the OS says)."""
     per_block = bytes_per_token * cfg.block_size
     if cfg.num_kv_blocks is not None:
         return cfg.num_kv_blocks
@@ -41,7 +48,9 @@ def kv_pool_blocks(cfg: EngineConfig, device: torch.device, bytes_per_token: int
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * cfg.gpu_memory_fraction)
     else:
-        budget = CPU_KV_MB * 2**20
+        tokens = min(CPU_KV_TOKENS, 2 * max_model_len)
+        free = available if available is not None else psutil.virtual_memory().available
+        budget = min(tokens * bytes_per_token, int(free * CPU_KV_MEMORY_SHARE))
     useful = cfg.max_num_seqs * (-(-max_model_len // cfg.block_size))   # more is never used
     blocks = min(budget // per_block, useful)
     if blocks < 1:

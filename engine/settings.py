@@ -174,7 +174,8 @@ SETTINGS: tuple[Setting, ...] = (
             help="tokens per KV block (a power of two)"),
     Setting("kv_cache_mb", ENGINE, float, None, nullable=True, low=0, low_open=True, metavar="MB",
             group="optimizations",
-            help="KV pool size in MB (default: 512 on CPU, a share of free memory on GPU)"),
+            help="KV pool size in MB (default on CPU: 16K tokens of the model, at most a quarter of "
+                 "free memory; on GPU: a share of free memory)"),
     Setting("num_kv_blocks", ENGINE, int, None, nullable=True, low=1, flag=None,
             no_flag="an exact pool size for tests and demos; people size the pool in MB (--kv-cache-mb)",
             help="exact KV pool size in blocks (overrides kv_cache_mb)"),
