@@ -16,7 +16,7 @@ from pdchat.engine.config import EngineConfig, SamplingParams
 from pdchat.engine.engine import Engine
 from pdchat.engine.stream import TokenEvent
 from pdchat.bench import Progress, filler_text, machine, median, ratio
-from pdchat.bench import lab_claims, lab_files, spec as bench_spec, toggles as bench_toggles
+from pdchat.bench import lab_claims, lab_files, lab_noise, spec as bench_spec, toggles as bench_toggles
 
 SIZES: dict[str, dict[str, Any]] = {
     # ~4 minutes for smollm2-135m on a 2-core CPU.
@@ -24,10 +24,11 @@ SIZES: dict[str, dict[str, Any]] = {
                  decode_bin=32, quant_prompt=512, quant_tokens=32, quant_repeats=2, kv_prompt=100,
                  prefix_words=600, prefix_repeats=2, batch_sizes=[1, 2, 4, 8, 16, 32], batch_tokens=32,
                  chunk_words=400, chunks=[16, 32, 64, 128, 256, None], spec_tokens=64),
-    # Seconds on a random:tiny model: exercises every experiment, measures nothing meaningful.
-    "quick": dict(lengths=[8, 16, 32, 64], repeats=2, decode_tokens=24, decode_bin=4, quant_prompt=32,
-                  quant_tokens=6, quant_repeats=1, kv_prompt=20, prefix_words=60, prefix_repeats=1,
-                  batch_sizes=[1, 2, 4], batch_tokens=6, chunk_words=60, chunks=[16, 32, None], spec_tokens=12),
+    # Under a minute for smollm2-135m on a 2-core CPU (seconds on random:tiny, which the tests use):
+    # fewer points and one repeat, so noisier verdicts than the full run.
+    "quick": dict(lengths=[32, 128, 512, 1024], repeats=1, decode_tokens=96, decode_bin=16, quant_prompt=256,
+                  quant_tokens=12, quant_repeats=1, kv_prompt=60, prefix_words=300, prefix_repeats=1,
+                  batch_sizes=[1, 4, 16], batch_tokens=32, chunk_words=200, chunks=[16, 64, None], spec_tokens=24),
 }
 # Share of the run each step takes (full size), for an honest progress bar.
 STEPS = [("prefill sweep", 0.22), ("decode vs position", 0.2), ("int8 weights", 0.08), ("KV bytes", 0.01),
@@ -42,9 +43,12 @@ def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, A
                     say=lambda m: None)
     try:
         out: dict[str, Any] = {"suite": "lab", "model": config.model, "device": str(engine.device),
-                               "dtype": str(engine.dtype).removeprefix("torch."), "inputs": dict(sizes)}
+                               "dtype": str(engine.dtype).removeprefix("torch."), "inputs": dict(sizes),
+                               "mode": "quick" if quick else "full"}
         engine.submit("Hello", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)).result()  # warm-up
         exp: dict[str, Any] = {}
+        busy: dict[str, float | None] = {}
+        others = lab_noise.OthersLoad()
         done = 0.0
 
         def step(i: int) -> Progress:
@@ -58,9 +62,11 @@ def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, A
                                        ("batching", _batching), ("chunked_prefill", _chunked),
                                        ("spec", _spec)]):
             exp[key] = fn(engine, sizes, step(i))
+            busy[key] = others.since_last()
             done += STEPS[i][1]
         out["experiments"] = exp
-        out["claims"] = claims(exp)
+        out["busy"] = busy
+        out["claims"] = lab_noise.mark_noisy(claims(exp), busy)
         out["curves"] = curves(exp)
         out["see_also"] = _see_also()
         out["machine"] = machine()
@@ -224,8 +230,9 @@ def _chunk_axis(rows: list[dict[str, Any]]) -> list[int]:
     return [r["chunk_size"] or r["newcomer_prompt_tokens"] for r in rows]
 
 
-def _spec_points(rows: list[dict[str, Any]]) -> list[tuple[float, float]]:
-    return sorted((r["acceptance"], r["speedup"]) for r in rows
+def _spec_points(rows: list[dict[str, Any]]) -> list[tuple[float, float, str]]:
+    """(acceptance, speed-up, "method, workload") of every measured speculative point."""
+    return sorted((r["acceptance"], r["speedup"], f"{r['method']}, {r['workload']}") for r in rows
                   if r.get("acceptance") is not None and r.get("speedup") is not None)
 
 
@@ -252,8 +259,10 @@ def curves(exp: dict[str, Any]) -> list[dict[str, Any]]:
                _chunk_axis(c), [r["worst_gap_over_tpot"] for r in c], "decode"),
     ]
     if s:
-        out.append(_curve("spec", "Speculative decoding", "acceptance", "speed-up", [p[0] for p in s],
-                          [p[1] for p in s], "cached", kind="scatter"))
+        spec = _curve("spec", "Speculative decoding", "acceptance", "speed-up", [p[0] for p in s],
+                      [p[1] for p in s], "cached", kind="scatter")
+        spec["labels"] = [p[2] for p in s]            # which method on which workload each point is
+        out.append(spec)
     return out
 
 

@@ -77,6 +77,8 @@ def _panel(c: dict[str, Any], ox: float, oy: float) -> list[str]:
         out.append(f'<polyline points="{points}" fill="none" stroke="{colour}" stroke-width="2"/>')
     radius = 1.6 if len(xs) > 24 else 3
     out += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="{radius}" fill="{colour}"/>' for x, y in zip(xs, ys)]
+    out += [f'<text x="{px(x) + 5:.1f}" y="{py(y) - 5:.1f}" class="tick">{escape(label)}</text>'
+            for x, y, label in zip(xs, ys, c.get("labels") or [])]
     return out
 
 

@@ -127,8 +127,9 @@ class Backend(abc.ABC):
     def update(self, **toggles: Any) -> None:
         """Apply toggles (names of Toggles fields) to new requests."""
 
-    def run_lab(self, progress: Callable[[str, float], None]) -> dict[str, Any]:
-        """Run `pdchat bench lab` on this backend's model (only where capabilities["lab"])."""
+    def run_lab(self, progress: Callable[[str, float], None], quick: bool = False) -> dict[str, Any]:
+        """Run `pdchat bench lab` (its quick sizes if `quick`) on this backend's model (only where
+        capabilities["lab"])."""
         raise NotImplementedError(f"the lab measures the local engine; {self.name} cannot run it")
 
     def last_lab_run(self) -> dict[str, Any] | None:

@@ -62,13 +62,13 @@ class LocalBackend(Backend):
     def capabilities(self) -> dict[str, bool]:
         return {c: True for c in CAPABILITIES}
 
-    def run_lab(self, progress) -> dict[str, Any]:
+    def run_lab(self, progress, quick: bool = False) -> dict[str, Any]:
         from pdchat.bench import run_suite
         from pdchat.engine import EngineConfig
         # The chat's machine settings (threads, kernels) hold; the lab sets the toggles itself.
         machine = {k: v for k, v in self.engine_options.items() if k in ("threads", "kernels")}
         config = EngineConfig(model=self.model, device=self.device, dtype=self.dtype, **machine)
-        return run_suite("lab", config, progress=progress)
+        return run_suite("lab", config, quick=quick, progress=progress)
 
     def last_lab_run(self) -> dict[str, Any] | None:
         from pdchat.bench.lab_files import last_run

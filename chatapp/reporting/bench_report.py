@@ -5,13 +5,14 @@ from typing import Any, Callable
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 
 def progress_bar(console: Console) -> tuple[Progress, Callable[[str, float], None]]:
+    # the time left is estimated from the progress so far (rich's speed over the recent updates)
     bar = Progress(TextColumn("[bold]{task.description:<22}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-                   TimeElapsedColumn(), console=console, transient=True)
+                   TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(), console=console, transient=True)
     task = bar.add_task("starting", total=1.0)
 
     def update(what: str, fraction: float) -> None:

@@ -5,37 +5,38 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from pdchat.themes.palette import DEFAULT_ROLES
 
 from pdchat.chatapp.reporting.lab_plot import chart
+from pdchat.chatapp.reporting.lab_words import in_words
 
 VERDICT_STYLE = {"confirmed": "bold green", "not confirmed": "bold red", "not available": "dim"}
-
-
-def number(value: Any) -> str:
-    if value is None:
-        return "n/a"
-    if isinstance(value, float):
-        return f"{value:,.3g}" if abs(value) < 1000 else f"{value:,.0f}"
-    return str(value)
-
-
-def numbers_line(numbers: dict[str, Any]) -> str:
-    return ", ".join(f"{k.replace('_', ' ')} {number(v)}" for k, v in numbers.items())
 
 
 def verdict_table(claims: list[dict[str, Any]]) -> Table:
     table = Table(title="claims", title_justify="left", expand=True)
     table.add_column("claim", ratio=2)
     table.add_column("verdict", no_wrap=True)
-    table.add_column("numbers (rule)", ratio=3)
+    table.add_column("what we measured (rule)", ratio=3)
     for c in claims:
+        words = Text(in_words(c))
+        if c.get("noisy"):
+            words.append(f"  {c['noisy']}", style="bold yellow")
         table.add_row(c["claim"], Text(c["verdict"], style=VERDICT_STYLE.get(c["verdict"], "")),
-                      Text(numbers_line(c["numbers"])).append(f"  ({c['rule']})", style="dim"))
+                      words.append(f"  ({c['rule']})", style="dim"))
     return table
+
+
+def run_line(result: dict[str, Any]) -> str:
+    """Model, device, machine and date of a run, and whether it was the quick one."""
+    m = result.get("machine", {})
+    quick = " · quick run: fewer points, noisier" if result.get("mode") == "quick" else ""
+    return (f"{result.get('model')} on {result.get('device')} ({result.get('dtype')}) · "
+            f"{m.get('cpu') or ''} {m.get('gpu') or ''} · {m.get('date', '')}{quick}")
 
 
 def curve_text(curve: dict[str, Any], width: int, height: int = 6, colours: dict[str, str] | None = None) -> Text:
@@ -46,13 +47,13 @@ def curve_text(curve: dict[str, Any], width: int, height: int = 6, colours: dict
         axis, _, dots = line.partition("┤")
         text.append(axis + "┤", style="dim").append(dots + "\n", style=colour)
     text.append(lines[-1], style="dim")
+    for x, y, label in zip(curve["x"], curve["y"], curve.get("labels") or []):   # scatter points named
+        text.append(f"\n  {label}: {x:.2f} → {y:.2f}", style="dim")
     return text
 
 
 def render_lab(result: dict[str, Any], console: Console) -> None:
-    m = result.get("machine", {})
-    console.print(f"[bold]pdchat bench lab[/] · {result.get('model')} on {result.get('device')} "
-                  f"({result.get('dtype')}) · {m.get('cpu') or ''} {m.get('gpu') or ''} · {m.get('date')}")
+    console.print(f"[bold]pdchat bench lab[/] · {escape(run_line(result))}")
     console.print(verdict_table(result["claims"]))
     width = max(20, min(60, console.width // 2 - 10))
     curves = [curve_text(c, width) for c in result["curves"]]

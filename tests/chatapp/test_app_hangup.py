@@ -44,7 +44,7 @@ class Backend(FakeBackend):
             threading.Event().wait()
         super().load(progress)
 
-def stuck_lab(progress):                           # a lab run that never ends
+def stuck_lab(progress, quick=False):                           # a lab run that never ends
     progress("measuring", 0.1)
     threading.Event().wait()
 

@@ -53,7 +53,7 @@ async def test_run_shows_progress_then_verdicts_and_curves(make_app):
     release = threading.Event()
     fractions = []
 
-    def runner(progress):
+    def runner(progress, quick=False):
         progress("prefill sweep", 0.25)
         release.wait(5)
         fractions.append(0.25)
@@ -77,7 +77,7 @@ async def test_run_shows_progress_then_verdicts_and_curves(make_app):
 async def test_a_failed_run_is_reported_not_fatal(make_app):
     app = make_app()
 
-    def runner(progress):
+    def runner(progress, quick=False):
         raise RuntimeError("out of memory")
 
     async with app.run_test(size=(140, 44)) as pilot:
@@ -96,3 +96,38 @@ async def test_opens_on_the_last_saved_run(make_app):
         text = screen_text(app)
         assert "scripted on cpu" in text and files["dir"] in text and "remote backend" in text
         assert "Prefill time grows about linearly" in text
+
+
+@pytest.mark.parametrize("size", [(80, 24), (160, 48)])
+async def test_q_runs_the_quick_lab_and_says_so(make_app, size):
+    app = make_app()
+    release = threading.Event()
+    asked = []
+
+    def runner(progress, quick=False):
+        asked.append(quick)
+        progress("prefill sweep", 0.5)
+        release.wait(5)
+        return {**RESULT, "mode": "quick" if quick else "full"}
+
+    async with app.run_test(size=size) as pilot:
+        await app.push_screen(LabScreen(runner, load_last=lambda: None))
+        assert "q for a quick run" in screen_text(app)
+        await pilot.press("q")
+        bar = app.screen.query_one("#lab-progress")
+        await wait_for(pilot, lambda: bar.progress == 0.5)
+        assert "quick run: prefill sweep" in screen_text(app)
+        assert bar.show_eta and bar.query("ETAStatus")            # the time left, from the pace so far
+        release.set()
+        await wait_for(pilot, lambda: not app.screen.running)
+        assert asked == [True]
+        assert "quick run: fewer points, noisier" in screen_text(app)
+
+
+async def test_a_noisy_verdict_says_the_machine_was_busy(make_app):
+    noisy = dict(RESULT["claims"][0], noisy="noisy: the machine was busy (other processes used 45% of it)")
+    app = make_app()
+    async with app.run_test(size=(140, 44)) as pilot:
+        await app.push_screen(LabScreen(None, load_last=lambda: {**RESULT, "claims": [noisy]}))
+        await pilot.pause()
+        assert "the machine was busy (other processes used 45% of it)" in screen_text(app).replace("\n", " ")

@@ -231,3 +231,18 @@ def test_cli_refuses_a_remote_backend(capsys):
     from pdchat.chatapp.cli.main import main
     assert main(["bench", "lab", "--backend", "http://127.0.0.1:9"]) == 2
     assert "not available with a remote backend" in capsys.readouterr().out
+
+
+def test_the_speculative_points_are_named(tiny_run):
+    from pdchat.chatapp.reporting.lab_report import curve_text
+    result, _ = tiny_run
+    rows = [r for r in result["experiments"]["spec"]["rows"] if r.get("acceptance") is not None]
+    spec = next(c for c in result["curves"] if c["id"] == "spec")
+    assert sorted(spec["labels"]) == sorted(f"{r['method']}, {r['workload']}" for r in rows) and rows
+    with open(result["files"]["svg"], encoding="utf-8") as f:
+        svg = f.read()
+    assert all(label in svg for label in spec["labels"])
+    text = curve_text(spec, 40).plain
+    assert all(f"{label}: " in text for label in spec["labels"])
+    assert result["mode"] == "quick" and set(result["busy"]) == {
+        "prefill", "decode", "int8", "kv", "prefix_cache", "batching", "chunked_prefill", "spec"}

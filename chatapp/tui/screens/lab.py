@@ -7,6 +7,7 @@ import threading
 from typing import Any, Callable
 
 from rich.table import Table
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
@@ -16,10 +17,10 @@ from textual.widgets import Footer, Header, ProgressBar, Static
 from pdchat.themes import roles
 
 from pdchat.chatapp.backends.base import Backend
-from pdchat.chatapp.reporting.lab_report import curve_text, verdict_table
+from pdchat.chatapp.reporting.lab_report import curve_text, run_line, verdict_table
 
 Progress = Callable[[str, float], None]
-Runner = Callable[[Progress], dict[str, Any]]
+Runner = Callable[..., dict[str, Any]]      # runner(progress, quick=False) -> the lab's result
 
 
 def lab_runner(backend: Backend) -> tuple[Runner | None, str | None]:
@@ -31,19 +32,20 @@ def lab_runner(backend: Backend) -> tuple[Runner | None, str | None]:
 
 
 class LabScreen(Screen):
-    BINDINGS = [Binding("escape", "back", "Back"), Binding("r", "run", "Run the lab")]
+    BINDINGS = [Binding("escape", "back", "Back"), Binding("r", "run", "Run the lab"),
+                Binding("q", "run(True)", "Quick run (under a minute, noisier)")]
 
     def __init__(self, runner: Runner | None, unavailable: str | None = None,
                  load_last: Callable[[], dict[str, Any] | None] = lambda: None):
         super().__init__()
         self.runner, self.unavailable, self.load_last = runner, unavailable, load_last
-        self.running = False
+        self.running = self.quick = False
         self.result: dict[str, Any] | None = None
 
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False)
         yield Static(id="lab-status")
-        yield ProgressBar(id="lab-progress", total=1.0, show_eta=False)
+        yield ProgressBar(id="lab-progress", total=1.0, show_eta=True)   # time left, from the pace so far
         with VerticalScroll(id="lab-body"):
             yield Static(id="lab-verdicts")
             yield Static(id="lab-curves")
@@ -62,12 +64,10 @@ class LabScreen(Screen):
         status = self.query_one("#lab-status", Static)
         if result is None:
             status.update(self.unavailable or "No lab run yet: press r to measure the claims on this machine "
-                                               "(a few minutes).")
+                                               "(a few minutes), or q for a quick run (under a minute).")
             return
-        m = result.get("machine", {})
         where = (result.get("files") or {}).get("dir", "")
-        status.update(f"{result.get('model')} on {result.get('device')} ({result.get('dtype')}) · "
-                      f"{m.get('date', '')} · {where}" + (f"\n{self.unavailable}" if self.unavailable else ""))
+        status.update(Text(f"{run_line(result)} · {where}" + (f"\n{self.unavailable}" if self.unavailable else "")))
         self.query_one("#lab-verdicts", Static).update(verdict_table(result.get("claims", [])))
         width = max(20, (self.size.width or 100) // 2 - 12)
         colours = roles(self.app)
@@ -84,26 +84,27 @@ class LabScreen(Screen):
             self.notify("The lab keeps running in the background; its results will be saved.")
         self.app.pop_screen()
 
-    def action_run(self) -> None:
+    def action_run(self, quick: bool = False) -> None:
         if self.runner is None:
             self.notify(self.unavailable or "The lab is not available here.", severity="warning")
             return
         if self.running:
             return
-        self.running = True
+        self.running, self.quick = True, quick
         self.query_one("#lab-progress").display = True
         # a daemon thread, not a Textual worker: those are joined on exit, and a lab run takes minutes
         threading.Thread(target=self._run, daemon=True, name="pdchat-lab").start()
 
     def _progress(self, what: str, fraction: float) -> None:
+        mode = "quick run" if self.quick else "running"
         def update() -> None:
-            self.query_one("#lab-status", Static).update(f"running: {what}")
+            self.query_one("#lab-status", Static).update(Text(f"{mode}: {what}"))
             self.query_one("#lab-progress", ProgressBar).update(progress=fraction)
         self.app.call_from_thread(update)
 
     def _run(self) -> None:
         try:
-            result, error = self.runner(self._progress), None
+            result, error = self.runner(self._progress, quick=self.quick), None
         except Exception as e:                     # shown, never fatal
             result, error = None, f"{type(e).__name__}: {e}"
         with contextlib.suppress(RuntimeError):    # the app ended during the run: nobody to tell
