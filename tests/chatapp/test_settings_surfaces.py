@@ -163,3 +163,20 @@ def test_the_server_takes_every_sampling_setting_within_its_bounds(s, http):
                       headers={"Content-Type": "application/json"})
         assert r.status_code == 400, (s.name, bad, r.text)
         assert r.json()["error"]["param"] == s.name
+
+
+@pytest.mark.anyio
+async def test_a_palette_toggle_applies_and_notifies_once(make_app):
+    from tests.doubles.fake_backend import FakeBackend
+    from .helpers import ready
+    app = make_app(FakeBackend())
+    async with app.run_test(size=(160, 48)) as pilot:
+        await ready(pilot)
+        await pilot.press("ctrl+p")
+        await pilot.pause(0.2)
+        await pilot.press(*"Toggle KV cache")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await pilot.pause(0.5)
+        assert app.backend.updates == [{"kv_cache": False}]          # the panel's echo sends nothing
+        assert [n.message for n in app._notifications] == ["KV cache off: applies to the next reply."]

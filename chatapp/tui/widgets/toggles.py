@@ -40,12 +40,8 @@ class TogglesBox(Vertical):
 
     def __init__(self, toggles: Toggles, caps: dict[str, bool], **kwargs):
         super().__init__(**kwargs)
-        self.toggles = toggles
+        self.toggles = toggles       # what the app has: a control showing it again sends nothing
         self.caps = caps
-        self._quiet = True           # no Changed events for the initial values
-
-    def on_mount(self) -> None:
-        self.call_after_refresh(self._unquiet)
 
     def compose(self) -> ComposeResult:
         for s in TOGGLES:
@@ -75,32 +71,26 @@ class TogglesBox(Vertical):
         if caps == self.caps and toggles == self.toggles:
             return
         self.caps, self.toggles = caps, toggles
-        self._quiet = True
         self.refresh(recompose=True)
-        self.call_after_refresh(self._unquiet)
 
     def set_values(self, toggles: Toggles) -> None:
         """Reflect toggles changed elsewhere (command palette) without re-sending them."""
         self.toggles = toggles
-        self._quiet = True
-        try:
-            for s in TOGGLES:
-                value = getattr(toggles, s.name)
-                if s.kind is bool or s.choices:
-                    self.query_one(f"#tg-{s.name}").value = value
-                    continue
-                if _can_be_off(s):
-                    self.query_one(f"#tg-{s.name}-on", Switch).value = value is not None
-                if value is not None:
-                    self.query_one(f"#tg-{s.name}", Input).value = _text(s, value)
-        finally:
-            self.call_after_refresh(self._unquiet)
-
-    def _unquiet(self) -> None:
-        self._quiet = False
+        for s in TOGGLES:
+            value = getattr(toggles, s.name)
+            if s.kind is bool or s.choices:
+                self.query_one(f"#tg-{s.name}").value = value
+                continue
+            if _can_be_off(s):
+                self.query_one(f"#tg-{s.name}-on", Switch).value = value is not None
+            if value is not None:
+                self.query_one(f"#tg-{s.name}", Input).value = _text(s, value)
 
     def _send(self, **changes: Any) -> None:
-        if not self._quiet:
+        """Tell the app what the user changed: a control's change events also come when it is set
+        to show the app's values (at start, from the palette), and those change nothing."""
+        changes = {k: v for k, v in changes.items() if getattr(self.toggles, k) != v}
+        if changes:
             self.post_message(self.Changed(changes))
 
     def explain(self, s: Setting, error: str | None = None) -> None:
