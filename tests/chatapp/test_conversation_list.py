@@ -197,3 +197,19 @@ async def test_a_launch_with_no_chat_shows_the_welcome_and_creates_none(make_app
         await pilot.pause()
         assert app.chat.conv_id is None and app.chat.query("#welcome")
         assert app.store.conversations() == []
+
+
+async def test_a_chat_deleted_under_the_app_takes_the_message_into_a_new_one(make_app, tmp_path):
+    app = make_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await ready(pilot)
+        await pilot.press("ctrl+n")
+        await pilot.pause(0.1)
+        empty = app.chat.conv_id
+        other = Store(tmp_path / "data" / "pdchat.db")      # a second pdchat starting on the same data
+        other.close()
+        assert app.store.conversation(empty) is None
+        await send(pilot, "still here?")
+        await idle(pilot)
+        assert app.chat.conv_id != empty
+        assert [m.content for m in app.store.messages(app.chat.conv_id)][0] == "still here?"

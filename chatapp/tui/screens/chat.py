@@ -22,6 +22,7 @@ from pdchat.chatapp.tui.screens.actions import ChatActions
 from pdchat.chatapp.tui.screens.compare import CompareActions
 from pdchat.chatapp.tui.screens.modals import WELCOME
 from pdchat.chatapp.tui.screens.replies import Replies
+from pdchat.chatapp.tui.store import NEW_CHAT
 from pdchat.chatapp.tui.widgets.chat_input import ChatInput
 from pdchat.chatapp.tui.widgets.conversations import ConversationItem
 from pdchat.chatapp.tui.widgets.messages import MessageView
@@ -197,6 +198,10 @@ class ChatScreen(ChatActions, CompareActions, Screen):
             return
         if self.conv_id is None:
             await self.open_conversation(self.new_conversation())
+        elif self.store.conversation(self.conv_id) is None:
+            # Deleted under us (another pdchat on the same data dropped it as an unused empty
+            # chat): the message goes into a new one rather than failing.
+            await self.open_conversation(self.store.create_conversation().id)
         if self.conv_id in self.live:
             self.notify("A reply is still being generated here (Esc cancels it).", severity="warning")
             return
@@ -207,7 +212,7 @@ class ChatScreen(ChatActions, CompareActions, Screen):
             self.editing = None
             await self.open_conversation(self.conv_id)
         conv = self.store.conversation(self.conv_id)
-        if conv and conv.title == "New chat":
+        if conv and conv.title == NEW_CHAT:
             title = re.sub(r"\s+", " ", text).strip()
             self.store.rename(conv.id, title[:40] + ("…" if len(title) > 40 else ""))
             self.sub_title = self.store.conversation(conv.id).title
