@@ -30,13 +30,17 @@ SIZES: dict[str, dict[str, Any]] = {
                   quant_tokens=12, quant_repeats=1, kv_prompt=60, prefix_words=300, prefix_repeats=1,
                   batch_sizes=[1, 4, 16], batch_tokens=32, chunk_words=200, chunks=[16, 64, None], spec_tokens=24),
 }
-# Share of the run each step takes (full size), for an honest progress bar.
-STEPS = [("prefill sweep", 0.22), ("decode vs position", 0.2), ("int8 weights", 0.08), ("KV bytes", 0.01),
-         ("prefix cache", 0.08), ("batching", 0.15), ("chunked prefill", 0.1), ("speculative decoding", 0.16)]
+STEPS = ["prefill sweep", "decode vs position", "int8 weights", "KV bytes", "prefix cache", "batching",
+         "chunked prefill", "speculative decoding"]
+# Share of the run each step takes at each size (smollm2-135m on a 2-core CPU), so that the fraction
+# done, and the time left a reader draws from it, move at an even pace.
+SHARES = {"full": [0.22, 0.2, 0.08, 0.01, 0.08, 0.15, 0.1, 0.16],
+          "quick": [0.12, 0.08, 0.06, 0.01, 0.11, 0.23, 0.16, 0.23]}
 
 
 def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, Any]:
-    sizes = SIZES["quick" if quick else "full"]
+    mode = "quick" if quick else "full"
+    sizes = SIZES[mode]
     # Prefix cache off and speculation off: every measurement really computes what it times;
     # each experiment turns on only the toggle it studies.
     engine = Engine(replace(config, telemetry=False, prefix_cache=False, spec="off", quant="none"),
@@ -44,7 +48,7 @@ def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, A
     try:
         out: dict[str, Any] = {"suite": "lab", "model": config.model, "device": str(engine.device),
                                "dtype": str(engine.dtype).removeprefix("torch."), "inputs": dict(sizes),
-                               "mode": "quick" if quick else "full"}
+                               "mode": mode}
         engine.submit("Hello", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)).result()  # warm-up
         exp: dict[str, Any] = {}
         busy: dict[str, float | None] = {}
@@ -52,10 +56,14 @@ def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, A
         done = 0.0
 
         def step(i: int) -> Progress:
-            name, share = STEPS[i]
-            start = done
-            progress(name, start)
-            return lambda what, frac: progress(f"{name}: {what}", start + share * min(frac, 1.0))
+            start, share = done, SHARES[mode][i]
+
+            def report(what: str, frac: float) -> None:
+                at = start + share * min(frac, 1.0)
+                progress(f"{what} · {i + 1}/{len(STEPS)}", at)
+
+            report(STEPS[i], 0.0)
+            return lambda what, frac: report(f"{STEPS[i]}: {what}", frac)
 
         for i, (key, fn) in enumerate([("prefill", _prefill_sweep), ("decode", _decode_positions),
                                        ("int8", _int8), ("kv", _kv_bytes), ("prefix_cache", _prefix),
@@ -63,10 +71,10 @@ def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, A
                                        ("spec", _spec)]):
             exp[key] = fn(engine, sizes, step(i))
             busy[key] = others.since_last()
-            done += STEPS[i][1]
+            done += SHARES[mode][i]
         out["experiments"] = exp
         out["busy"] = busy
-        out["claims"] = lab_noise.mark_noisy(claims(exp), busy)
+        out["claims"] = lab_claims.mark_disagreeing(lab_noise.mark_noisy(claims(exp), busy), spreads(exp))
         out["curves"] = curves(exp)
         out["see_also"] = _see_also()
         out["machine"] = machine()
@@ -134,6 +142,8 @@ def _int8(engine: Engine, sizes: dict[str, Any], progress: Progress) -> dict[str
     p = {k: median(v) for k, v in prefill.items()}
     d = {k: median(v) for k, v in tpot.items()}
     return {"available": True, "prompt_tokens": len(long), "decode_tokens": sizes["quant_tokens"],
+            "rounds_ms": {"prefill_fp": prefill["none"], "prefill_int8": prefill["int8"], "tpot_fp": tpot["none"],
+                          "tpot_int8": tpot["int8"]},
             "prefill_ms_fp": p["none"], "prefill_ms_int8": p["int8"], "tpot_ms_fp": d["none"],
             "tpot_ms_int8": d["int8"], "prefill_speedup": ratio(p["none"], p["int8"]),
             "decode_speedup": ratio(d["none"], d["int8"])}
@@ -190,7 +200,7 @@ def _chunked(engine: Engine, sizes: dict[str, Any], progress: Progress) -> dict[
 
 def _spec(engine: Engine, sizes: dict[str, Any], progress: Progress) -> dict[str, Any]:
     workloads = {"grounded": bench_spec.GROUNDED[:1], "open-ended": bench_spec.OPEN_ENDED[:1]}
-    return {"max_tokens": sizes["spec_tokens"],
+    return {"max_tokens": sizes["spec_tokens"], "k": engine.config.spec_tokens,
             "rows": bench_spec.measure(engine, workloads, sizes["spec_tokens"], progress)}
 
 
@@ -220,7 +230,7 @@ def claims(exp: dict[str, Any]) -> list[lab_claims.Verdict]:
     crows = exp["chunked_prefill"]["rows"]
     out.append(lab_claims.chunked_prefill(_chunk_axis(crows), [r["newcomer_ttft_ms"] for r in crows],
                                           [r["worst_gap_over_tpot"] for r in crows]))
-    points = _spec_points(exp["spec"]["rows"])
+    points = _spec_points(exp["spec"])
     out.append(lab_claims.spec_vs_acceptance([p[0] for p in points], [p[1] for p in points]))
     return out
 
@@ -230,10 +240,19 @@ def _chunk_axis(rows: list[dict[str, Any]]) -> list[int]:
     return [r["chunk_size"] or r["newcomer_prompt_tokens"] for r in rows]
 
 
-def _spec_points(rows: list[dict[str, Any]]) -> list[tuple[float, float, str]]:
-    """(acceptance, speed-up, "method, workload") of every measured speculative point."""
-    return sorted((r["acceptance"], r["speedup"], f"{r['method']}, {r['workload']}") for r in rows
+def _spec_points(spec: dict[str, Any]) -> list[tuple[float, float, str]]:
+    """(acceptance, speed-up, "method k=K, workload") of every measured speculative point; K is the
+    draft length each request starts from (then adapts)."""
+    k = f" k={spec['k']}" if spec.get("k") else ""
+    return sorted((r["acceptance"], r["speedup"], f"{r['method']}{k}, {r['workload']}") for r in spec["rows"]
                   if r.get("acceptance") is not None and r.get("speedup") is not None)
+
+
+def spreads(exp: dict[str, Any]) -> dict[str, float | None]:
+    """By claim id: how much the repeated rounds behind it disagree (None: measured once)."""
+    prefill = lab_claims.rounds_spread(exp["prefill"]["raw_ms"])
+    return {"prefill_linear": prefill, "prefill_vs_decode": prefill,
+            "int8_memory_bound": lab_claims.rounds_spread(list(exp["int8"].get("rounds_ms", {}).values()))}
 
 
 def curves(exp: dict[str, Any]) -> list[dict[str, Any]]:
@@ -243,7 +262,7 @@ def curves(exp: dict[str, Any]) -> list[dict[str, Any]]:
     dfit = lab_claims.linear_fit([float(p) for p in dec["positions"]], dec["tpot_ms"])
     b = exp["batching"]["rows"]
     c = exp["chunked_prefill"]["rows"]
-    s = _spec_points(exp["spec"]["rows"])
+    s = _spec_points(exp["spec"])
     out = [
         _curve("prefill", "Prefill time vs prompt length", "prompt tokens", "ms", pre["lengths"],
                pre["prefill_ms"], "prefill", fit=pfit[:2]),

@@ -7,6 +7,7 @@ arithmetic, and tests can feed synthetic numbers without running a model.
 from __future__ import annotations
 
 import math
+from statistics import median
 from typing import Any
 
 CONFIRMED, NOT_CONFIRMED, UNAVAILABLE = "confirmed", "not confirmed", "not available"
@@ -81,7 +82,8 @@ R2_LINEAR = 0.95
 def prefill_linear(lengths: list[int], prefill_ms: list[float]) -> Verdict:
     slope, intercept, r2 = linear_fit([float(x) for x in lengths], prefill_ms)
     return verdict("prefill_linear", "Prefill time grows about linearly with prompt length",
-                   r2 >= R2_LINEAR and slope > 0, f"least-squares line, R² >= {R2_LINEAR} and slope > 0",
+                   r2 >= R2_LINEAR and slope > 0,
+                   f"a straight line explains at least {R2_LINEAR:.0%} of the spread and time rises with length",
                    ms_per_token=slope, intercept_ms=intercept, r2=r2, points=len(lengths),
                    tokens_per_s=1000 / slope if slope > 0 else None)
 
@@ -99,7 +101,7 @@ def decode_slow_growth(positions: list[int], tpot_ms: list[float]) -> Verdict:
     lo, hi = DECODE_GROWTH_RANGE
     ok = growth is not None and lo <= growth <= hi
     return verdict("decode_slow_growth", "Decode time per token grows slowly with position", ok,
-                   f"fitted change from first to last position between {lo:+.0%} and {hi:+.0%}",
+                   f"the fitted line changes by {lo:+.0%} to {hi:+.0%} from the first position to the last",
                    ms_per_1000_positions=slope * 1000, tpot_at_start_ms=at_start, tpot_at_end_ms=at_end,
                    growth=growth, first_position=start, last_position=end, r2=r2)
 
@@ -112,7 +114,7 @@ def prefill_vs_decode(prefill_1000_ms: float, tpot_ms: float) -> Verdict:
     tokens = prefill_1000_ms / tpot_ms
     lo, hi = PREFILL_DECODE_RANGE
     return verdict("prefill_vs_decode", "A 1,000-token prompt prefills in the time of 5-10 decode tokens",
-                   lo <= tokens <= hi, f"{lo:g} <= prefill(1000) / TPOT <= {hi:g}",
+                   lo <= tokens <= hi, f"a 1,000-token prefill takes as long as {lo:g} to {hi:g} decode tokens",
                    prefill_1000_ms=prefill_1000_ms, tpot_ms=tpot_ms, decode_tokens_equivalent=tokens)
 
 
@@ -122,7 +124,7 @@ INT8_EDGE = 1.25
 def int8_memory_bound(decode_speedup: float | None, prefill_speedup: float | None, reason: str = "") -> Verdict:
     """Memory-bound decode gains from 4x fewer weight bytes; compute-bound prefill barely does."""
     claim = "Decode is memory-bound: int8 weights speed decode much more than prefill"
-    rule = f"int8 decode speed-up > 1 and >= {INT8_EDGE}x the prefill speed-up"
+    rule = f"int8 makes decode faster, and decode gains at least {INT8_EDGE:g}× as much as prefill"
     if decode_speedup is None or prefill_speedup is None:
         return verdict("int8_memory_bound", claim, None, rule, reason=reason or "int8 unavailable here")
     edge = decode_speedup / prefill_speedup
@@ -141,8 +143,8 @@ def kv_bytes(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, *, eng
           and bytes_used == blocks_used * block_size * formula
           and blocks_needed <= blocks_used <= blocks_needed + 1)   # +1: the slot for the next token
     return verdict("kv_bytes", "KV bytes per token = 2 x layers x kv_heads x head_dim x bytes", ok,
-                   "formula == engine figure == cache tensors per slot; used bytes == blocks x block size x "
-                   "formula; blocks used == ceil(tokens / block size) (+1 for the next token)",
+                   "the formula, the engine's figure and the cache tensors' bytes per slot agree; the pool "
+                   "uses just the blocks the tokens fill (+1 for the next token), at that many bytes a slot",
                    layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes,
                    formula_bytes_per_token=formula, engine_bytes_per_token=engine_bytes_per_token,
                    tensor_bytes_per_slot=tensor_bytes_per_slot, tokens_held=tokens_held,
@@ -157,7 +159,7 @@ def prefix_cache(ttft_on_ms: float, ttft_off_ms: float, prompt_tokens: int, cach
     r = ttft_on_ms / ttft_off_ms
     return verdict("prefix_cache", "Prefix caching removes the prefill of a repeated prefix",
                    r <= PREFIX_MAX_RATIO and cached_prompt_tokens > 0,
-                   f"TTFT with cache / without <= {PREFIX_MAX_RATIO}",
+                   f"the TTFT with the cache is at most {PREFIX_MAX_RATIO:g}× the TTFT without",
                    ttft_on_ms=ttft_on_ms, ttft_off_ms=ttft_off_ms, ttft_ratio=r, prompt_tokens=prompt_tokens,
                    cached_prompt_tokens=cached_prompt_tokens, cached_fraction=cached_prompt_tokens / prompt_tokens)
 
@@ -172,8 +174,8 @@ def batching(sizes: list[int], tok_s: list[float], tpot_ms: list[float]) -> Verd
     trend = spearman([float(s) for s in sizes], tok_s)
     return verdict("batching", "Batching raises aggregate throughput while per-user TPOT rises",
                    gain >= BATCH_MIN_GAIN and tpot_rise > 1 and (trend or 0) > 0,
-                   f"throughput at the largest batch >= {BATCH_MIN_GAIN}x batch {sizes[0]}, rank correlation "
-                   f"with batch size > 0, and TPOT higher at the largest batch",
+                   f"the largest batch gets at least {BATCH_MIN_GAIN:g}× the tokens a second of batch "
+                   f"{sizes[0]}, throughput rises with the batch, and each user's TPOT is higher at the largest",
                    largest_batch=sizes[-1], throughput_gain=gain, tpot_rise=tpot_rise, throughput_trend=trend)
 
 
@@ -185,8 +187,7 @@ def chunked_prefill(chunks: list[int], newcomer_ttft_ms: list[float], stall_over
     stall_trend = spearman([float(c) for c in chunks], stall_over_tpot)
     ok = ttft_trend is not None and stall_trend is not None and ttft_trend < 0 and stall_trend > 0
     return verdict("chunked_prefill", "Chunked prefill trades the newcomer's TTFT for smoother TPOT of others", ok,
-                   "as chunks grow: newcomer TTFT falls (rank correlation < 0) and the others' worst stall / "
-                   "TPOT rises (> 0)",
+                   "as chunks grow, the newcomer's TTFT falls and the others' worst stall (in TPOTs) rises",
                    ttft_trend=ttft_trend, stall_trend=stall_trend,
                    smallest_chunk_stall=stall_over_tpot[0], largest_chunk_stall=stall_over_tpot[-1],
                    smallest_chunk_ttft_ms=newcomer_ttft_ms[0], largest_chunk_ttft_ms=newcomer_ttft_ms[-1])
@@ -195,10 +196,32 @@ def chunked_prefill(chunks: list[int], newcomer_ttft_ms: list[float], stall_over
 def spec_vs_acceptance(acceptance: list[float], speedup: list[float]) -> Verdict:
     """Speculative decoding pays in proportion to how many drafted tokens the target accepts."""
     claim = "Speculative decoding's speed-up grows with the acceptance rate"
-    rule = "rank correlation of speed-up with acceptance > 0 over the measured points, best speed-up > 1"
+    rule = "over the measured points the speed-up rises with acceptance, and the best is above 1×"
     if len(acceptance) < 2:
         return verdict("spec", claim, None, rule, reason="fewer than two measured points")
     trend = spearman(acceptance, speedup)
     best = max(speedup)
     return verdict("spec", claim, (trend or 0) > 0 and best > 1, rule,
                    trend=trend, best_speedup=best, points=len(acceptance))
+
+
+# ---- how far repeated rounds agree ------------------------------------------------------------
+SPREAD_MAX = 0.25      # rounds further apart than this, relative to their median, make a verdict noisy
+
+
+def rounds_spread(rounds: list[list[float]]) -> float | None:
+    """How much repeated rounds of the same measurement disagree: (max - min) / median per point,
+    the median of that over the points (one jittery point is not a noisy curve); None for one round."""
+    spreads = [(max(r) - min(r)) / median(r) for r in rounds if len(r) > 1 and median(r) > 0]
+    return median(spreads) if spreads else None
+
+
+def mark_disagreeing(claims: list[Verdict], spread: dict[str, float | None]) -> list[Verdict]:
+    """Each verdict whose repeated rounds (spread, by claim id) disagree beyond SPREAD_MAX says so,
+    after any other noise note."""
+    for claim in claims:
+        s = spread.get(claim["id"])
+        if s is not None and s > SPREAD_MAX:
+            note = f"repeated rounds disagree by {s:.0%}"
+            claim["noisy"] = f"{claim['noisy']}; {note}" if claim.get("noisy") else f"noisy: {note}"
+    return claims

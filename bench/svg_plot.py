@@ -77,9 +77,15 @@ def _panel(c: dict[str, Any], ox: float, oy: float) -> list[str]:
         out.append(f'<polyline points="{points}" fill="none" stroke="{colour}" stroke-width="2"/>')
     radius = 1.6 if len(xs) > 24 else 3
     out += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="{radius}" fill="{colour}"/>' for x, y in zip(xs, ys)]
-    out += [f'<text x="{px(x) + 5:.1f}" y="{py(y) - 5:.1f}" class="tick">{escape(label)}</text>'
+    out += [_point_label(px(x), py(y), label, right_half=px(x) > (left + right) / 2)
             for x, y, label in zip(xs, ys, c.get("labels") or [])]
     return out
+
+
+def _point_label(x: float, y: float, label: str, right_half: bool) -> str:
+    # Labels in the right half end at their point, so they stay inside the panel.
+    anchor, dx = ("end", -5) if right_half else ("start", 5)
+    return f'<text x="{x + dx:.1f}" y="{y - 5:.1f}" class="tick" text-anchor="{anchor}">{escape(label)}</text>'
 
 
 def svg(curves: list[dict[str, Any]], title: str, subtitle: str = "") -> str:

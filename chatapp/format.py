@@ -27,6 +27,13 @@ def seconds(v_ms: float | None) -> str:
     return f"{int(s // 60)} min {int(s % 60)} s"
 
 
+def time_left(elapsed_s: float, fraction: float) -> str:
+    """"~2 min 5 s left" at the pace so far (elapsed / fraction done), once there is a pace to go by."""
+    if fraction < 0.02 or elapsed_s < 1:
+        return "estimating the time left"
+    return f"~{seconds(1000 * elapsed_s * (1 - fraction) / fraction)} left"
+
+
 def rate(v: float | None, unit: str = "tok/s") -> str:
     return NA if v is None else f"{v:,.1f} {unit}"
 

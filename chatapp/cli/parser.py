@@ -82,7 +82,8 @@ def _add_bench(sub: Any, shared: argparse.ArgumentParser) -> None:
     bench = sub.add_parser("bench", parents=[shared], help="measure: lab | toggles | baseline | spec | serve")
     bench.add_argument("suite", help="lab (the claims, with curves and verdicts) | toggles | baseline | spec | serve")
     bench.add_argument("--json", action="store_true", help="print machine-readable results")
-    bench.add_argument("--quick", action="store_true", help="small sizes (for a smoke test)")
+    bench.add_argument("--quick", action="store_true",
+                       help="small sizes: the lab in under a minute (fewer points, noisier); others: a smoke test")
     load = bench.add_argument_group("bench serve (a load test of --backend URL)")
     load.add_argument("--backend", metavar="URL", default=argparse.SUPPRESS,
                       help="the OpenAI-compatible server to load")

@@ -1,22 +1,28 @@
 """Renders `pdchat bench` results for people: a progress bar while it runs, then tables."""
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from pdchat.chatapp.format import time_left
 
-def progress_bar(console: Console) -> tuple[Progress, Callable[[str, float], None]]:
-    # the time left is estimated from the progress so far (rich's speed over the recent updates)
+
+def progress_bar(console: Console, clock: Callable[[], float] = time.monotonic
+                 ) -> tuple[Progress, Callable[[str, float], None]]:
+    """A progress bar and its update(what, fraction done), which also says the time left at the
+    pace so far."""
     bar = Progress(TextColumn("[bold]{task.description:<22}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-                   TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(), console=console, transient=True)
-    task = bar.add_task("starting", total=1.0)
+                   TimeElapsedColumn(), TextColumn("{task.fields[left]}"), console=console, transient=True)
+    task = bar.add_task("starting", total=1.0, left="")
+    started = clock()
 
     def update(what: str, fraction: float) -> None:
-        bar.update(task, description=what, completed=fraction)
+        bar.update(task, description=what, completed=fraction, left=time_left(clock() - started, fraction))
 
     return bar, update
 

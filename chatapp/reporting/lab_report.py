@@ -27,7 +27,7 @@ def verdict_table(claims: list[dict[str, Any]]) -> Table:
         if c.get("noisy"):
             words.append(f"  {c['noisy']}", style="bold yellow")
         table.add_row(c["claim"], Text(c["verdict"], style=VERDICT_STYLE.get(c["verdict"], "")),
-                      words.append(f"  ({c['rule']})", style="dim"))
+                      words.append(f"  (confirmed when {c['rule']})", style="dim"))
     return table
 
 
@@ -48,7 +48,7 @@ def curve_text(curve: dict[str, Any], width: int, height: int = 6, colours: dict
         text.append(axis + "┤", style="dim").append(dots + "\n", style=colour)
     text.append(lines[-1], style="dim")
     for x, y, label in zip(curve["x"], curve["y"], curve.get("labels") or []):   # scatter points named
-        text.append(f"\n  {label}: {x:.2f} → {y:.2f}", style="dim")
+        text.append(f"\n  {label}: {curve['x_label']} {x:.2f}, {curve['y_label']} {y:.2f}", style="dim")
     return text
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import threading
+from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
@@ -99,14 +100,18 @@ async def test_opens_on_the_last_saved_run(make_app):
 
 
 @pytest.mark.parametrize("size", [(80, 24), (160, 48)])
-async def test_q_runs_the_quick_lab_and_says_so(make_app, size):
+async def test_q_runs_the_quick_lab_and_says_so(make_app, size, monkeypatch):
+    from pdchat.chatapp.tui.screens import lab as lab_screen
+    clock = [100.0]
+    monkeypatch.setattr(lab_screen, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     app = make_app()
     release = threading.Event()
     asked = []
 
     def runner(progress, quick=False):
         asked.append(quick)
-        progress("prefill sweep", 0.5)
+        clock[0] = 140.0                              # 40 s for half the run
+        progress("prefill sweep: 128 tokens · 1/8", 0.5)
         release.wait(5)
         return {**RESULT, "mode": "quick" if quick else "full"}
 
@@ -116,8 +121,11 @@ async def test_q_runs_the_quick_lab_and_says_so(make_app, size):
         await pilot.press("q")
         bar = app.screen.query_one("#lab-progress")
         await wait_for(pilot, lambda: bar.progress == 0.5)
-        assert "quick run: prefill sweep" in screen_text(app)
-        assert bar.show_eta and bar.query("ETAStatus")            # the time left, from the pace so far
+        # the time left at the pace so far, and no second estimate from the bar
+        assert "quick run: prefill sweep: 128 tokens · 1/8 · ~40 s left" in screen_text(app)
+        assert not bar.show_eta and not bar.query("ETAStatus")
+        status = app.screen.query_one("#lab-status")
+        assert status.region.width == size[0] and status.region.height >= 1    # on screen at this size
         release.set()
         await wait_for(pilot, lambda: not app.screen.running)
         assert asked == [True]

@@ -28,6 +28,15 @@ def test_every_claim_has_a_sentence_without_raw_keys():
         assert "trend" not in words and "edge" not in words, words
 
 
+def test_every_rule_reads_as_words_not_as_a_formula():
+    for v in VERDICTS:
+        rule = v["rule"]
+        assert not any(sign in rule for sign in ("<=", ">=", "==", "R²", "rank correlation", "_")), rule
+    rules = {v["id"]: v["rule"] for v in VERDICTS}
+    assert rules["prefill_vs_decode"] == "a 1,000-token prefill takes as long as 5 to 10 decode tokens"
+    assert rules["int8_memory_bound"] == "int8 makes decode faster, and decode gains at least 1.25× as much as prefill"
+
+
 def test_the_sentences_carry_the_numbers():
     words: dict[str, str] = {}
     for v in VERDICTS:
@@ -44,3 +53,19 @@ def test_the_sentences_carry_the_numbers():
 def test_a_claim_saved_by_another_version_falls_back_to_named_numbers():
     assert in_words({"id": "future_claim", "numbers": {"odd_ratio": 1.5}}) == "odd ratio 1.5"
     assert in_words({"id": "batching", "numbers": {"largest_batch": 4}}) == "largest batch 4"
+
+
+def test_the_table_gives_each_verdict_its_sentence_rule_and_noise_note():
+    import io
+
+    from rich.console import Console
+
+    from pdchat.chatapp.reporting.lab_report import verdict_table
+    noisy = dict(VERDICTS[2], noisy="noisy: repeated rounds disagree by 40%")
+    console = Console(width=400, record=True, file=io.StringIO())
+    console.print(verdict_table([noisy]))
+    row = next(line for line in console.export_text().splitlines() if "1,000-token prompt" in line)
+    assert ("a 1,000-token prefill (1,905 ms) takes as long as 95 decode tokens (20 ms each)  "
+            "noisy: repeated rounds disagree by 40%  "
+            "(confirmed when a 1,000-token prefill takes as long as 5 to 10 decode tokens)") in row
+    assert "not confirmed" in row

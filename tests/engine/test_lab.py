@@ -125,6 +125,33 @@ def test_spec_speedup_follows_acceptance():
     assert lc.spec_vs_acceptance([0.5], [1.4])["verdict"] == lc.UNAVAILABLE
 
 
+# ---- noise from repeated rounds, and the time left --------------------------------------------------
+def test_rounds_spread_is_the_typical_disagreement_between_rounds():
+    # per point (max - min) / median: 0.2, 0.5, 0.0 -> their median 0.2; single rounds do not count
+    assert lc.rounds_spread([[90.0, 100.0, 110.0], [80.0, 100.0, 130.0], [50.0, 50.0], [7.0]]) == pytest.approx(0.2)
+    assert lc.rounds_spread([[7.0], [9.0]]) is None and lc.rounds_spread([]) is None
+
+
+def test_only_verdicts_whose_rounds_disagree_are_marked_noisy():
+    busy = "noisy: the machine was busy (other processes used 45% of it)"
+    claims = [{"id": "prefill_linear"}, {"id": "int8_memory_bound", "noisy": busy}, {"id": "kv_bytes"},
+              {"id": "prefix_cache"}]
+    spread = {"prefill_linear": 0.4, "int8_memory_bound": 0.3, "kv_bytes": lc.SPREAD_MAX, "prefix_cache": None}
+    marked = {c["id"]: c.get("noisy") for c in lc.mark_disagreeing(claims, spread)}
+    assert marked == {"prefill_linear": "noisy: repeated rounds disagree by 40%",
+                      "int8_memory_bound": busy + "; repeated rounds disagree by 30%",
+                      "kv_bytes": None, "prefix_cache": None}
+
+
+def test_spreads_come_from_the_prefill_and_int8_rounds():
+    exp = {"prefill": {"raw_ms": [[100.0, 150.0, 200.0], [400.0, 400.0, 400.0]]},
+           "int8": {"rounds_ms": {"prefill_fp": [10.0, 11.0], "tpot_fp": [20.0, 20.0]}}}
+    spread = bench_lab.spreads(exp)
+    assert spread["prefill_linear"] == spread["prefill_vs_decode"] == pytest.approx(1 / 3)   # median of 2/3, 0
+    assert spread["int8_memory_bound"] == pytest.approx((1 / 10.5) / 2)
+    assert bench_lab.spreads({**exp, "int8": {"available": False}})["int8_memory_bound"] is None
+
+
 # ---- plot and files ---------------------------------------------------------------------------------
 def test_nice_ticks_cover_the_range_with_round_steps():
     ticks = nice_ticks(0, 4096)
@@ -142,6 +169,12 @@ def test_svg_has_one_panel_per_curve_and_escapes_text():
     assert doc.startswith("<svg") and doc.rstrip().endswith("</svg>")
     assert doc.count('class="card"') == 2 and doc.count("<polyline") == 1     # the scatter has no line
     assert "a &lt;t&gt;" in doc and "m &amp; d" in doc
+
+
+def test_scatter_labels_stay_inside_their_panel():
+    doc = svg([{**_curve("s", "scatter"), "labels": ["low & left", "mid", "high right"]}], title="lab")
+    assert 'text-anchor="start">low &amp; left</text>' in doc and 'text-anchor="start">mid</text>' in doc
+    assert 'text-anchor="end">high right</text>' in doc          # at the right edge: ends at its point
 
 
 def test_save_and_last_run_round_trip():
@@ -163,14 +196,15 @@ def tiny_run(tmp_path_factory):
     try:
         steps = []
         result = run_suite("lab", EngineConfig(model="random:tiny"), quick=True,
-                           progress=lambda what, frac: steps.append(frac))
+                           progress=lambda what, frac: steps.append((frac, what)))
     finally:
         del os.environ["PDCHAT_DATA_DIR"]
     return result, steps
 
 
 def test_tiny_run_structure(tiny_run):
-    result, steps = tiny_run
+    result, progress = tiny_run
+    steps = [frac for frac, _ in progress]
     assert result["suite"] == "lab" and result["inputs"] == bench_lab.SIZES["quick"]
     assert [c["id"] for c in result["claims"]] == CLAIM_IDS
     assert {c["verdict"] for c in result["claims"]} <= {lc.CONFIRMED, lc.NOT_CONFIRMED, lc.UNAVAILABLE}
@@ -238,11 +272,24 @@ def test_the_speculative_points_are_named(tiny_run):
     result, _ = tiny_run
     rows = [r for r in result["experiments"]["spec"]["rows"] if r.get("acceptance") is not None]
     spec = next(c for c in result["curves"] if c["id"] == "spec")
-    assert sorted(spec["labels"]) == sorted(f"{r['method']}, {r['workload']}" for r in rows) and rows
+    k = EngineConfig().spec_tokens                    # the draft length each request starts from
+    assert result["experiments"]["spec"]["k"] == k
+    assert sorted(spec["labels"]) == sorted(f"{r['method']} k={k}, {r['workload']}" for r in rows) and rows
     with open(result["files"]["svg"], encoding="utf-8") as f:
         svg = f.read()
     assert all(label in svg for label in spec["labels"])
     text = curve_text(spec, 40).plain
-    assert all(f"{label}: " in text for label in spec["labels"])
+    assert all(f"{label}: acceptance {x:.2f}, speed-up {y:.2f}" in text
+               for label, x, y in zip(spec["labels"], spec["x"], spec["y"]))
     assert result["mode"] == "quick" and set(result["busy"]) == {
         "prefill", "decode", "int8", "kv", "prefix_cache", "batching", "chunked_prefill", "spec"}
+
+
+def test_the_progress_says_which_step(tiny_run):
+    _, progress = tiny_run
+    n = len(bench_lab.STEPS)
+    assert progress[0][1] == f"prefill sweep · 1/{n}"
+    for i, name in enumerate(bench_lab.STEPS):
+        assert any(what.startswith(name) and what.endswith(f" · {i + 1}/{n}") for _, what in progress), name
+    assert progress[-1] == (1.0, "writing files")
+    assert sum(bench_lab.SHARES["quick"]) == pytest.approx(1) and sum(bench_lab.SHARES["full"]) == pytest.approx(1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from typing import Any, Callable
 
 from rich.table import Table
@@ -16,6 +17,7 @@ from textual.widgets import Footer, Header, ProgressBar, Static
 
 from pdchat.themes import roles
 
+from pdchat.chatapp import format as fmt
 from pdchat.chatapp.backends.base import Backend
 from pdchat.chatapp.reporting.lab_report import curve_text, run_line, verdict_table
 
@@ -40,12 +42,14 @@ class LabScreen(Screen):
         super().__init__()
         self.runner, self.unavailable, self.load_last = runner, unavailable, load_last
         self.running = self.quick = False
+        self.started = 0.0
         self.result: dict[str, Any] | None = None
 
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False)
         yield Static(id="lab-status")
-        yield ProgressBar(id="lab-progress", total=1.0, show_eta=True)   # time left, from the pace so far
+        # the lab's progress text carries the time left (its pace so far): no second estimate here
+        yield ProgressBar(id="lab-progress", total=1.0, show_eta=False)
         with VerticalScroll(id="lab-body"):
             yield Static(id="lab-verdicts")
             yield Static(id="lab-curves")
@@ -90,15 +94,17 @@ class LabScreen(Screen):
             return
         if self.running:
             return
-        self.running, self.quick = True, quick
+        self.running, self.quick, self.started = True, quick, time.monotonic()
         self.query_one("#lab-progress").display = True
         # a daemon thread, not a Textual worker: those are joined on exit, and a lab run takes minutes
         threading.Thread(target=self._run, daemon=True, name="pdchat-lab").start()
 
     def _progress(self, what: str, fraction: float) -> None:
         mode = "quick run" if self.quick else "running"
+        left = fmt.time_left(time.monotonic() - self.started, fraction)
+
         def update() -> None:
-            self.query_one("#lab-status", Static).update(Text(f"{mode}: {what}"))
+            self.query_one("#lab-status", Static).update(Text(f"{mode}: {what} · {left}"))
             self.query_one("#lab-progress", ProgressBar).update(progress=fraction)
         self.app.call_from_thread(update)
 
