@@ -37,6 +37,10 @@ TOGGLE_KEYS = tuple(s.name for s in declared.TOGGLES if s.scope == declared.ENGI
 
 
 class PdchatApp(App):
+    """The app shell: the chat screen, loading and switching models, and the handlers of what the
+    screens ask for. Each of those is a few lines handing over to its own module (loading.py,
+    toggle_control.py, screens/lab.py, hangup.py); together they are a little over 200 lines."""
+
     CSS_PATH = "app.tcss"
     TITLE = "pdchat"
     BINDINGS = [Binding("f9", "lab", "Lab", id="lab", show=False),
