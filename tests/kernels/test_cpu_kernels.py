@@ -137,6 +137,16 @@ def test_mixed_step_sends_each_sequence_to_its_kernel(ops):
     torch.testing.assert_close(out, batch.expected(0.2), **TOL)
 
 
+@pytest.mark.parametrize("qlens, clens", [
+    ([1, 1, 2, 40], [30, 7, 90, 300]),        # decodes then a chunk: each kernel's rows are one run
+    ([40, 1, 300, 1], [300, 30, 1200, 7]),    # interleaved: the rows are gathered
+])
+def test_mixed_step_rows_in_one_run_or_interleaved(ops, qlens, clens):
+    batch = Batch(qlens, clens, 2, 3, 32, block_size=8, dtype=torch.float32)
+    out = ops.paged_attention(*batch.args("cpu"), 0.2, query_lens_host=qlens, context_lens_host=clens)
+    torch.testing.assert_close(out, batch.expected(0.2), **TOL)
+
+
 def test_backend_table_fills_gaps_with_reference(tmp_path):
     torch_ops, cpu_ops = kernels.load("torch"), kernels.load("cpu", tmp_path)
     assert torch_ops.rms_norm is reference.rms_norm
