@@ -28,7 +28,7 @@ run: venv
 test: venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# Mutation testing of the engine's critical modules (sampler, spec, block manager, scheduler):
+# Mutation testing of the critical modules (sampler, spec, block manager, scheduler, server errors):
 # tools/mutation.py stages a pdchat/ copy under build/mutation, runs mutmut with one worker and
 # writes build/mutation/report.md (docs/mutation.md). Not part of `make test`: hours on 2 cores.
 MUTMUT_VERSION ?= 3.8.1

@@ -1,4 +1,4 @@
-"""Mutation testing of the engine's critical modules: `make mutation` (issue 21).
+"""Mutation testing of the critical modules: `make mutation` (issue 21).
 
 Tool: mutmut 3.8.1 (pinned here and in the Makefile; `make mutation` installs it into .venv when
 missing; it is no dependency of `make test`).
@@ -55,6 +55,7 @@ MODULES = {
     "engine/spec.py": "pdchat.engine.spec",
     "engine/block_manager.py": "pdchat.engine.block_manager",
     "engine/scheduler.py": "pdchat.engine.scheduler",
+    "chatapp/serve/errors.py": "pdchat.chatapp.serve.errors",
 }
 PACKAGES = {"engine": "pdchat/engine", "bench": "pdchat/bench", "kernels": "pdchat/kernels", "chatapp": "pdchat/chatapp",
             "themes": "pdchat/themes"}
@@ -69,6 +70,7 @@ TESTS = [
     "tests/engine/test_preemption.py",
     "tests/engine/test_fault_isolation.py",
     "tests/engine/test_lossless.py",
+    "tests/chatapp/test_server_errors.py",
 ]
 DESELECT = "not default_model"
 
@@ -119,6 +121,12 @@ def check_mutmut() -> str:
 
 
 # ---- staging -------------------------------------------------------------------------------
+def staged(path: str) -> str:
+    """Where a repository file sits in the staged package: engine/spec.py -> pdchat/engine/spec.py."""
+    top, rest = path.split("/", 1)
+    return f"{PACKAGES[top]}/{rest}"
+
+
 def _ignore(_dir, names):
     return [n for n in names if n in ("__pycache__", ".pytest_cache") or n.endswith((".pyc", ".so"))]
 
@@ -131,7 +139,7 @@ def stage() -> None:
     for src, dst in PACKAGES.items():
         shutil.copytree(ROOT / src, STAGE / dst, ignore=_ignore)
     shutil.copytree(ROOT / "tests", STAGE / "tests", ignore=_ignore)
-    only = ", ".join(f'"{PACKAGES["engine"]}/{Path(p).name}"' for p in MODULES)
+    only = ", ".join(f'"{staged(p)}"' for p in MODULES)
     selection = ", ".join(f'"{t}"' for t in TESTS)
     pyproject = (ROOT / "pyproject.toml").read_text()
     pyproject += f"""
@@ -216,7 +224,7 @@ def self_check() -> int:
 def load_results() -> dict[str, int | None]:
     results: dict[str, int | None] = {}
     for path in MODULES:
-        meta = STAGE / "mutants" / PACKAGES["engine"] / (Path(path).name + ".meta")
+        meta = STAGE / "mutants" / (staged(path) + ".meta")
         if not meta.exists():
             sys.exit(f"no results for {path}: run `make mutation` first")
         results.update(json.loads(meta.read_text())["exit_code_by_key"])

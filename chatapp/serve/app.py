@@ -19,23 +19,22 @@ from typing import Any, AsyncIterator, Hashable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import Receive, Scope, Send
 
-from pdchat.engine import (Completion, ContextTooLong, Engine, EngineClosed, EngineConfig, InvalidRequest,
-                           SamplingParams, TokenEvent)
+from pdchat.engine import Completion, Engine, EngineConfig, SamplingParams, TokenEvent
 
 from pdchat.chatapp.serve import protocol
 from pdchat.chatapp.serve.auth import Keys
+from pdchat.chatapp.serve.errors import add_error_handlers, completion_error, shutting_down
 from pdchat.chatapp.serve.flight import Flight
 from pdchat.chatapp.serve.guard import Guard
 from pdchat.chatapp.serve.last_resort import LastResort
 from pdchat.chatapp.serve.listen import bind, http_server
 from pdchat.chatapp.serve.options import DEFAULT_MAX_PENDING, ServeOptions
 from pdchat.chatapp.serve.prometheus import CONTENT_TYPE, ServerMetrics
-from pdchat.chatapp.serve.protocol import APIError, ChatRequest, CompletionRequest, ErrorResponse, Shape
+from pdchat.chatapp.serve.protocol import APIError, ChatRequest, CompletionRequest, Shape
 
 # How often a non-streaming request checks whether its client is still there.
 DISCONNECT_POLL_S = 0.25
@@ -128,7 +127,7 @@ class Server:
     async def _admit(self, prompt: Any, params: SamplingParams, *, raw_text: bool, tokens: bool,
                      namespace: Hashable, t0: float) -> Flight:
         if self.closing:
-            raise APIError(503, "server shutting down", type_="server_error", code="server_shutting_down")
+            raise shutting_down()
         if self.in_flight >= self.max_pending:
             self.metrics.rejected.labels("503").inc()
             raise APIError(503, f"server busy: {self.in_flight} requests in flight (limit {self.max_pending}); "
@@ -185,7 +184,8 @@ class Server:
                 flight.cancel()
                 return Response(status_code=499)      # nobody is listening any more
         c = flight.completion.result()
-        self._raise_for(c)
+        if error := completion_error(c, closing=self.closing):
+            raise error
         m = c.metrics
         return JSONResponse(shape.response(c.text, c.finish_reason,
                                            protocol.usage(m.prompt_tokens, m.output_tokens, m.cached_prompt_tokens)))
@@ -201,10 +201,8 @@ class Server:
                     yield protocol.sse(shape.chunk(ev.text))
                 continue
             c = ev.completion
-            try:
-                self._raise_for(c)
-            except APIError as e:
-                yield protocol.sse(e.body())
+            if error := completion_error(c, closing=self.closing):
+                yield protocol.sse(error.body())
                 break
             # the completion's text is authoritative: it may extend the deltas (held-back text)
             yield protocol.sse(shape.chunk(c.text[sent:] or None, c.finish_reason))
@@ -223,17 +221,6 @@ class Server:
         self._authorize(request)            # it names the model and the device, and counts the traffic
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
-    def _raise_for(self, c: Completion) -> None:
-        """A request the engine ended with an error (or by shutting down) is an error for the client."""
-        if c.finish_reason == "error":
-            if isinstance(c.exception, InvalidRequest):     # e.g. it outgrew the whole KV pool
-                raise APIError(400, c.error or "invalid request")
-            raise APIError(500, c.error or "generation failed", type_="server_error")
-        if c.finish_reason == "cancelled":
-            if self.closing:
-                raise APIError(503, "server shutting down", type_="server_error", code="server_shutting_down")
-            raise APIError(503, c.error or "the request was cancelled", type_="server_error")
-
 
 def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | None = None,
                max_pending: int = DEFAULT_MAX_PENDING, options: ServeOptions = ServeOptions()) -> FastAPI:
@@ -250,27 +237,7 @@ def create_app(engine: Engine, *, model_name: str | None = None, api_key: str | 
     app = FastAPI(title="pdchat", docs_url=None, redoc_url=None, openapi_url=None, middleware=middleware)
     app.state.server = server
 
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, e: APIError) -> JSONResponse:
-        return ErrorResponse(e)
-
-    @app.exception_handler(ContextTooLong)
-    async def too_long(request: Request, e: ContextTooLong) -> JSONResponse:
-        param = "messages" if "/chat/" in request.url.path else "prompt"
-        return ErrorResponse(APIError(400, str(e), param=param, code="context_length_exceeded"))
-
-    @app.exception_handler(InvalidRequest)
-    async def invalid(request: Request, e: InvalidRequest) -> JSONResponse:
-        return ErrorResponse(APIError(400, str(e)))
-
-    @app.exception_handler(EngineClosed)
-    async def closed(request: Request, e: EngineClosed) -> JSONResponse:
-        return ErrorResponse(APIError(503, str(e), type_="server_error"))
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
-        return ErrorResponse(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}"))
-
+    add_error_handlers(app)
     app.add_api_route("/v1/chat/completions", server.chat, methods=["POST"])
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/models", server.models, methods=["GET"])

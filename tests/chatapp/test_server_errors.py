@@ -1,14 +1,21 @@
 """How the server reports a request the engine ended badly: an engine fault is a 500 (or, on a
-stream, a final error event), a request cut by the engine shutting down is a 503."""
+stream, a final error event), a request that outgrows the whole KV pool is the client's 400, a
+request cut by the engine shutting down is a 503; and how the remote backend shows each."""
 from __future__ import annotations
 
 import json
 import threading
 
 import httpx
+import pytest
 
+from pdchat.chatapp.backends.base import Done, Settings, Token
+from pdchat.chatapp.backends.remote import RemoteBackend
 from pdchat.chatapp.serve.app import create_app
-from pdchat.engine import Engine
+from pdchat.chatapp.serve.errors import completion_error, submit_error
+from pdchat.engine import (Completion, ContextTooLong, Engine, EngineClosed, InvalidRequest, KVCacheTooSmall,
+                           SamplingFailed)
+from pdchat.engine.metrics import RequestMetrics
 
 from .loopback import MODEL, running, wait_until
 
@@ -55,3 +62,96 @@ def test_a_request_cut_by_the_engine_shutting_down_is_a_503():
         assert answer[0].headers.get("retry-after") == "1"
     finally:
         eng.close()
+
+
+# ---- the mapping itself ------------------------------------------------------------------------
+def ended(reason: str, error: str | None = None, exception=None) -> Completion:
+    return Completion("partial", [1, 2], reason, RequestMetrics(), error=error, exception=exception)
+
+
+@pytest.mark.parametrize("completion, closing, status, type_, code, message", [
+    (ended("error", "needs more KV", KVCacheTooSmall("needs more KV")), False, 400, "invalid_request_error", None,
+     "needs more KV"),
+    (ended("error", None, InvalidRequest("x")), False, 400, "invalid_request_error", None, "invalid request"),
+    (ended("error", "non-finite logits", SamplingFailed("non-finite logits")), False, 500, "server_error", None,
+     "non-finite logits"),
+    (ended("error"), False, 500, "server_error", None, "generation failed"),
+    (ended("cancelled", "engine shut down", EngineClosed("engine shut down")), False, 503, "server_error", None,
+     "engine shut down"),
+    (ended("cancelled"), False, 503, "server_error", None, "the request was cancelled"),
+    (ended("cancelled", "engine shut down"), True, 503, "server_error", "server_shutting_down",
+     "server shutting down"),
+])
+def test_each_bad_ending_has_its_status(completion, closing, status, type_, code, message):
+    e = completion_error(completion, closing=closing)
+    assert (e.status, e.type, e.code, e.message) == (status, type_, code, message)
+    assert e.body() == {"error": {"message": message, "type": type_, "param": None, "code": code}}
+
+
+@pytest.mark.parametrize("reason", ["stop", "length"])
+@pytest.mark.parametrize("closing", [False, True])
+def test_a_normal_finish_is_no_error_even_while_closing(reason, closing):
+    assert completion_error(ended(reason), closing=closing) is None
+
+
+def test_submit_errors_name_the_field_and_whose_fault():
+    long = ContextTooLong(5000, 4096)
+    chat, plain = submit_error(long, "/v1/chat/completions"), submit_error(long, "/v1/completions")
+    assert (chat.status, chat.param, chat.code, chat.message) == (400, "messages", "context_length_exceeded", str(long))
+    assert (plain.param, plain.code) == ("prompt", "context_length_exceeded")
+    bad = submit_error(InvalidRequest("empty prompt"), "/v1/chat/completions")
+    assert (bad.status, bad.type, bad.param, bad.code, bad.message) == \
+        (400, "invalid_request_error", None, None, "empty prompt")
+    closed = submit_error(EngineClosed("engine shut down"), "/v1/completions")
+    assert (closed.status, closed.type, closed.message) == (503, "server_error", "engine shut down")
+
+
+# ---- a request that outgrows the KV pool while it generates ----------------------------------
+@pytest.fixture(scope="module")
+def small_pool():
+    """A server whose KV pool holds 48 tokens: a chat prompt (24 tokens) fits, 200 more do not."""
+    eng = Engine(model=MODEL, device="cpu", telemetry=False, num_kv_blocks=3)
+    try:
+        with running(create_app(eng)) as url, httpx.Client(base_url=url, timeout=60) as http:
+            yield http, eng
+    finally:
+        eng.close()
+
+
+def test_outgrowing_the_kv_pool_is_the_clients_400_and_frees_the_pool(small_pool):
+    http, eng = small_pool
+    r = http.post(CHAT, json=ask(max_tokens=200, ignore_eos=True, temperature=0))
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and "KV pool" in err["message"] and "--kv-cache-mb" in err["message"]
+    wait_until(lambda: eng.stats().kv_blocks_used == 0, what="the blocks to come back")
+    ok = http.post(CHAT, json=ask(max_tokens=8, ignore_eos=True, temperature=0))
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8
+
+
+def test_outgrowing_the_kv_pool_mid_stream_ends_it_with_a_400_error_event(small_pool):
+    http, _ = small_pool
+    with http.stream("POST", CHAT, json=ask(max_tokens=200, ignore_eos=True, temperature=0, stream=True)) as r:
+        assert r.status_code == 200
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["type"] == "invalid_request_error" and "KV pool" in err["message"]
+    text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-2])
+    assert text                                  # what streamed before the pool ran out was sent
+
+
+# ---- what the remote backend makes of them -----------------------------------------------------
+def test_the_remote_backend_ends_a_reply_broken_mid_stream_with_the_servers_message(small_pool):
+    http, _ = small_pool
+    backend = RemoteBackend(str(http.base_url), poll_s=0.05)
+    backend.load(lambda line: None)
+    try:
+        items = list(backend.stream([{"role": "user", "content": "hello"}],
+                                    Settings(max_tokens=200, temperature=0.0)))
+    finally:
+        backend.close()
+    tokens, done = [i for i in items if isinstance(i, Token)], items[-1]
+    assert isinstance(done, Done) and done.finish_reason == "error"
+    assert "failed mid-stream" in done.error and "KV pool" in done.error
+    assert tokens and done.text == "".join(t.text for t in tokens)     # the text so far is kept
