@@ -14,7 +14,7 @@ from pdchat.engine import quant
 from pdchat.engine.config import EngineConfig, SamplingParams
 from pdchat.engine.engine import Engine
 from pdchat.engine.hf_reference import hf_generate, hf_model_for
-from pdchat.bench import Progress, filler_text, llamacpp_peer, median, ratio
+from pdchat.bench import Progress, filler_text, kernel_paths, llamacpp_peer, median, ratio
 
 
 def _timed(fn, *args) -> float:
@@ -42,10 +42,12 @@ def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, A
         for r in range(repeats):
             progress(f"round {r + 1}/{repeats}", r / repeats)
             _round(engine, hf, peer, short, long, decode_tokens, samples)
+        progress("int8 paths", 0.99)
+        paths = kernel_paths.section(engine, rounds=max(3, repeats * 2))
         progress("done", 1.0)
         inputs = {"dtype": str(engine.dtype).removeprefix("torch."), "decode_tokens": decode_tokens,
                   "short_prompt_tokens": len(short), "prefill_tokens": len(long), "repeats": repeats, "batch": 1}
-        return _report(engine, config, inputs, samples, peer, peer_reason)
+        return {**_report(engine, config, inputs, samples, peer, peer_reason), "int8_paths": paths}
     finally:
         if peer:
             peer.close()

@@ -27,7 +27,9 @@ from . import reference
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 HEADERS = (Path(__file__).with_name("cpu_pool.h"),)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+# -fopenmp-simd: the `omp simd` pragmas without the OpenMP runtime (threads are the C pool's; macOS's
+# clang has no -fopenmp).
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC")
 LINEAR_MAX_ROWS = 40       # above this BLAS's matrix-matrix products win (measured, README)
 QBLOCK = 64                # activation quantization block of the int8 product (cpu_kernels.c)
 
@@ -46,6 +48,35 @@ class KernelsUnavailable(RuntimeError):
     """No C compiler, a failed build, or a platform the kernels do not support."""
 
 
+@dataclass(frozen=True)
+class Int8Path:
+    """One way the C int8 product runs (PD_INT8_* in cpu_kernels.c, in the same order)."""
+    name: str                   # as the tests and `pdchat info` name it
+    title: str
+    cpu_flags: tuple[str, ...]  # what /proc/cpuinfo lists on a CPU that runs it
+
+
+# The build picks the last of these its target supports; a forced build takes an earlier one.
+INT8_PATHS = (
+    Int8Path("portable", "portable C", ()),
+    Int8Path("avx2", "AVX2", ("avx2", "fma")),
+    Int8Path("avx-vnni", "AVX-VNNI", ("avx_vnni", "fma")),
+    Int8Path("avx512-vnni", "AVX-512 VNNI", ("avx512f", "avx512bw", "avx512_vnni")),
+    Int8Path("neon-dot", "NEON dot product", ("asimddp",)),
+)
+
+
+def int8_path(lib: ctypes.CDLL) -> Int8Path:
+    """The int8 product a loaded build runs."""
+    return INT8_PATHS[lib.pd_int8_path()]
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as the OS lists them (empty where it does not say)."""
+    line = _cpu_identity()
+    return set(line.split(":", 1)[1].split()) if line.startswith(("flags", "Features")) else set()
+
+
 def _cpu_identity() -> str:
     """What -march=native compiles for: the CPU's feature flags, where the OS tells them."""
     try:
@@ -57,13 +88,15 @@ def _cpu_identity() -> str:
     return platform.machine() + platform.processor()
 
 
-def build(cache_dir: Path, portable: bool = False) -> Path:
-    """Compile the kernels (once; the file name carries a hash of everything that matters)."""
+def build(cache_dir: Path, int8: str | None = None) -> Path:
+    """Compile the kernels for this machine (once; the file name carries a hash of everything that
+    matters). int8: force that int8 path (an INT8_PATHS name) instead of the best one."""
     wanted = os.environ.get("CC")
     compiler = shutil.which(wanted) if wanted else shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise KernelsUnavailable(f"no C compiler found ({'CC=' + wanted if wanted else 'install gcc, or set CC'})")
-    flags = [*FLAGS, *(["-DPDCHAT_PORTABLE"] if portable else [])]
+    forced = [p.name for p in INT8_PATHS].index(int8) if int8 is not None else None
+    flags = [*FLAGS, *([f"-DPDCHAT_INT8_PATH={forced}"] if forced is not None else [])]
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
@@ -82,7 +115,8 @@ def build(cache_dir: Path, portable: bool = False) -> Path:
         except (OSError, subprocess.SubprocessError) as e:
             raise KernelsUnavailable(f"building the CPU kernels failed: {e}") from e
         if done.returncode != 0:
-            first = (done.stderr.strip().splitlines() or ["no output"])[0]
+            lines = done.stderr.strip().splitlines() or ["no output"]
+            first = next((line for line in lines if "error" in line), lines[0])
             raise KernelsUnavailable(f"building the CPU kernels failed: {first}")
         os.replace(partial, out)              # atomic: another process never loads half a file
     return out
@@ -90,7 +124,7 @@ def build(cache_dir: Path, portable: bool = False) -> Path:
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "pd_has_vnni": ([], _I),
+    "pd_int8_path": ([], _I),
     "pd_linear_f32": ([_P, _P, _P, _P, _I, _I, _I, _I], None),
     "pd_linear_u8": ([_P, _P, _P, _P, _P, _I, _I, _I, _I], _I),
     "pd_rms_norm": ([_P, _P, _P, _I, _I, _F, _I], None),
@@ -116,11 +150,12 @@ class LayerPlan:
 
 
 @functools.cache   # one shared library per process (the loader caches it anyway)
-def library(cache_dir: Path, portable: bool = False) -> ctypes.CDLL:
+def library(cache_dir: Path, int8: str | None = None) -> ctypes.CDLL:
+    """The kernels' shared library, built for this machine (int8: see build)."""
     if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
         raise KernelsUnavailable(f"no CPU kernels for {platform.machine()}")
     try:
-        lib = ctypes.CDLL(str(build(cache_dir, portable)))
+        lib = ctypes.CDLL(str(build(cache_dir, int8)))
     except OSError as e:
         raise KernelsUnavailable(f"loading the CPU kernels failed: {e}") from e
     for name, (args, res) in _SIGNATURES.items():

@@ -1,31 +1,66 @@
 /* pdchat CPU kernels: the small-batch decode path, where PyTorch's per-op overhead and its BLAS
  * matrix-vector products (about a third of this machine's memory bandwidth) dominate a step.
  *
- * Built on first use by kernels/cpu.py with the system C compiler (-O3 -march=native -fopenmp)
- * and called through ctypes. Every function has a PyTorch twin in kernels/reference.py with the
- * same semantics; tests compare the two. All tensors are fp32 and row-major unless noted; row
- * strides are in elements. `threads` is passed explicitly because OpenMP's thread count is
- * per-thread state and the engine steps on its own thread.
+ * Built on first use by kernels/cpu.py with the system C compiler for the machine it runs on
+ * (-O3 -march=native -fopenmp-simd: OpenMP's `simd` pragmas only, no OpenMP runtime; the threads
+ * are the pool in cpu_pool.h) and called through ctypes. Every function has a PyTorch twin in
+ * kernels/reference.py with the same semantics; tests compare the two. All tensors are fp32 and
+ * row-major unless noted; row strides are in elements. `threads` is passed explicitly: the engine
+ * steps on its own thread and decides how many cores a step may use.
  *
- * The int8 product has an AVX-512 VNNI intrinsics path where the compiler targets it; everything
- * else is portable C whose `omp simd` loops the compiler vectorizes for the machine at hand
- * (-DPDCHAT_PORTABLE forces the portable int8 product too; the tests build both).
+ * The int8 product has one intrinsics path per instruction set (below: AVX-512 VNNI, AVX-VNNI,
+ * AVX2, NEON with the dot-product extension) and a portable one; the build takes the best path the
+ * compiler's target has, and -DPDCHAT_INT8_PATH=n forces a lower one (the tests run every path
+ * this CPU supports). Everything else is portable C whose `omp simd` loops the compiler vectorizes.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(PDCHAT_PORTABLE)
-#include <immintrin.h>
-#define PD_VNNI 1
+#define PD_INT8_PORTABLE 0
+#define PD_INT8_AVX2 1
+#define PD_INT8_AVXVNNI 2
+#define PD_INT8_AVX512VNNI 3
+#define PD_INT8_NEON_DOT 4
+#ifndef PDCHAT_INT8_PATH
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PDCHAT_INT8_PATH PD_INT8_AVX512VNNI
+#elif defined(__AVXVNNI__)
+#define PDCHAT_INT8_PATH PD_INT8_AVXVNNI
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PDCHAT_INT8_PATH PD_INT8_AVX2
+#elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+#define PDCHAT_INT8_PATH PD_INT8_NEON_DOT
+#else
+#define PDCHAT_INT8_PATH PD_INT8_PORTABLE
+#endif
 #endif
 
-/* Elementwise kernels use OpenMP, whose parallel regions cost tens of microseconds once its
- * workers have gone to sleep between regions, so they split only big work. (Splitting every
- * product this way made a SmolLM2-135M decode step 1.4x slower on 2 cores: products and
- * attention use the spinning pool below instead.) */
-#define PAR_MIN_MACS (2LL << 20)       /* multiply-adds */
+#if PDCHAT_INT8_PATH == PD_INT8_AVX512VNNI && !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__))
+#error "the AVX-512 VNNI int8 path needs -mavx512f -mavx512bw -mavx512vnni"
+#elif PDCHAT_INT8_PATH == PD_INT8_AVXVNNI && !(defined(__AVXVNNI__) && defined(__FMA__))
+#error "the AVX-VNNI int8 path needs -mavxvnni -mfma"
+#elif PDCHAT_INT8_PATH == PD_INT8_AVX2 && !(defined(__AVX2__) && defined(__FMA__))
+#error "the AVX2 int8 path needs -mavx2 -mfma"
+#elif PDCHAT_INT8_PATH == PD_INT8_NEON_DOT && !(defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD))
+#error "the NEON int8 path needs an aarch64 target with +dotprod"
+#endif
+
+#if PDCHAT_INT8_PATH == PD_INT8_NEON_DOT
+#include <arm_neon.h>
+#elif PDCHAT_INT8_PATH != PD_INT8_PORTABLE
+#include <immintrin.h>
+#endif
+
+/* The u8-by-s8 dot products (VNNI's dpbusd, and the portable loop) see the weights as stored,
+ * q + 128, and subtract 128 * sum(x) afterwards; AVX2 and NEON multiply the signed q directly. */
+#define PD_INT8_OFFSET (PDCHAT_INT8_PATH == PD_INT8_AVX512VNNI || PDCHAT_INT8_PATH == PD_INT8_AVXVNNI || \
+                        PDCHAT_INT8_PATH == PD_INT8_PORTABLE)
+
+/* Products, attention and (for prefill-sized runs) the elementwise kernels run on the spinning
+ * pool of cpu_pool.h: OpenMP's workers sleep between parallel regions and took tens of
+ * microseconds to wake (splitting every product with OpenMP made a decode step 1.4x slower). */
 #define ATTENTION_PAR_MACS (48LL << 10) /* attention on the pool: below this, a decode runs serially faster */
 #include "cpu_pool.h"    /* parallel_rows(): products and attention run on it */
 
@@ -38,12 +73,9 @@ void pd_pool_counts(int *workers, int *sleeping) {
     *sleeping = LOAD(pool.sleepers);
 }
 
-int pd_has_vnni(void) {
-#ifdef PD_VNNI
-    return 1;
-#else
-    return 0;
-#endif
+/* Which int8 dot product this build runs (PD_INT8_*): kernels/cpu.py names it. */
+int pd_int8_path(void) {
+    return PDCHAT_INT8_PATH;
 }
 
 /* exp for float in a form the compiler vectorizes (libm's expf is a scalar call): exp(x) = 2^n e^r
@@ -131,7 +163,8 @@ void pd_linear_f32(const float *x, const float *w, const float *bias, float *y, 
  * where hi = round(x / s) and lo is the rounded remainder. With both parts the product is as exact
  * as fp32 activations to about 1e-5 of the block's largest value (hi alone: 4e-3, which flips
  * greedy near-ties often), at twice the integer work but the same weight traffic.
- * corr[m] = 128 * sum_b s_b * (sum(hi_b) + sum(lo_b) / 254) undoes the +128 offset of the weights. */
+ * corr[m] = 128 * sum_b s_b * (sum(hi_b) + sum(lo_b) / 254) undoes the +128 offset of the weights
+ * where the dot product sees it (PD_INT8_OFFSET), else 0. */
 #define LO_SCALE 254.f
 static void quantize_rows(const float *x, int M, int K, int8_t *hi, int8_t *lo, float *xs, float *corr) {
     int nb = K / QBLOCK;
@@ -156,13 +189,14 @@ static void quantize_rows(const float *x, int M, int K, int8_t *hi, int8_t *lo, 
             xs[m * nb + b] = s;
             c += s * ((float)sum_hi + (float)sum_lo / LO_SCALE);
         }
-        corr[m] = 128.f * c;
+        corr[m] = PD_INT8_OFFSET ? 128.f * c : 0.f;
     }
 }
 
-/* One output: sum_b xs_b * <w_row(b), hi(b) + lo(b) / 254> with w stored as u8 = q + 128. */
+/* One output: sum_b xs_b * <w_row(b), hi(b) + lo(b) / 254> with w stored as u8 = q + 128 (the
+ * paths that multiply q itself flip the top bit: u8 ^ 0x80 is q as a signed byte). */
+#if PDCHAT_INT8_PATH == PD_INT8_AVX512VNNI
 static inline float dot_u8_blocks(const uint8_t *wr, const int8_t *hi, const int8_t *lo, const float *xs, int nb) {
-#ifdef PD_VNNI
     __m512 f = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
         __m512i w = _mm512_loadu_si512(wr + b * QBLOCK);
@@ -172,7 +206,62 @@ static inline float dot_u8_blocks(const uint8_t *wr, const int8_t *hi, const int
         f = _mm512_fmadd_ps(part, _mm512_set1_ps(xs[b]), f);
     }
     return _mm512_reduce_add_ps(f);
+}
+#elif PDCHAT_INT8_PATH == PD_INT8_AVXVNNI || PDCHAT_INT8_PATH == PD_INT8_AVX2
+static inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+#if PDCHAT_INT8_PATH == PD_INT8_AVX2
+/* acc + <q, x> over 32 bytes in eight int32 lanes. maddubs multiplies unsigned by signed bytes, so
+ * it gets |q| and x with q's sign; a pair of products is at most 2 * 127 * 127, inside its int16. */
+static inline __m256i dot32(__m256i acc, __m256i q, __m256i x) {
+    __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+#endif
+
+static inline float dot_u8_blocks(const uint8_t *wr, const int8_t *hi, const int8_t *lo, const float *xs, int nb) {
+    __m256 f = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        __m256i ah = _mm256_setzero_si256(), al = _mm256_setzero_si256();
+        for (int half = 0; half < QBLOCK; half += 32) {
+            __m256i w = _mm256_loadu_si256((const __m256i *)(wr + b * QBLOCK + half));
+            __m256i h = _mm256_loadu_si256((const __m256i *)(hi + b * QBLOCK + half));
+            __m256i l = _mm256_loadu_si256((const __m256i *)(lo + b * QBLOCK + half));
+#if PDCHAT_INT8_PATH == PD_INT8_AVXVNNI
+            ah = _mm256_dpbusd_avx_epi32(ah, w, h);
+            al = _mm256_dpbusd_avx_epi32(al, w, l);
 #else
+            __m256i q = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+            ah = dot32(ah, q, h);
+            al = dot32(al, q, l);
+#endif
+        }
+        __m256 part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(al), _mm256_set1_ps(1.f / LO_SCALE), _mm256_cvtepi32_ps(ah));
+        f = _mm256_fmadd_ps(part, _mm256_set1_ps(xs[b]), f);
+    }
+    return sum8(f);
+}
+#elif PDCHAT_INT8_PATH == PD_INT8_NEON_DOT
+static inline float dot_u8_blocks(const uint8_t *wr, const int8_t *hi, const int8_t *lo, const float *xs, int nb) {
+    float32x4_t f = vdupq_n_f32(0.f);
+    for (int b = 0; b < nb; b++) {
+        int32x4_t ah = vdupq_n_s32(0), al = vdupq_n_s32(0);
+        for (int i = 0; i < QBLOCK; i += 16) {
+            int8x16_t q = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(wr + b * QBLOCK + i), vdupq_n_u8(0x80)));
+            ah = vdotq_s32(ah, q, vld1q_s8(hi + b * QBLOCK + i));
+            al = vdotq_s32(al, q, vld1q_s8(lo + b * QBLOCK + i));
+        }
+        float32x4_t part = vfmaq_n_f32(vcvtq_f32_s32(ah), vcvtq_f32_s32(al), 1.f / LO_SCALE);
+        f = vfmaq_n_f32(f, part, xs[b]);
+    }
+    return vaddvq_f32(f);
+}
+#else
+static inline float dot_u8_blocks(const uint8_t *wr, const int8_t *hi, const int8_t *lo, const float *xs, int nb) {
     float f = 0.f;
     for (int b = 0; b < nb; b++) {
         int32_t ah = 0, al = 0;
@@ -185,8 +274,8 @@ static inline float dot_u8_blocks(const uint8_t *wr, const int8_t *hi, const int
         f += ((float)ah + (float)al / LO_SCALE) * xs[b];
     }
     return f;
-#endif
 }
+#endif
 
 /* y[M, N] = x[M, K] @ (scales[N] * q[N, K])^T + bias, weights int8 stored as u8 (q + 128) so that
  * the unsigned-by-signed VNNI dot product applies. K must be a multiple of 64. Returns -1 if out
@@ -238,44 +327,68 @@ static inline float inv_rms(const float *x, int D, float eps) {
     return 1.f / sqrtf(ss / (float)D + eps);
 }
 
-/* Elementwise work is split over tokens only for prefill-sized runs (the same wake-up cost as above). */
+/* Elementwise work is split over tokens only for prefill-sized runs: below this, waking the pool
+ * costs more than it saves. */
 #define PAR_MIN_ELEMS (1LL << 18)
 
-/* out[t] = w * x[t] / rms(x[t]) */
-void pd_rms_norm(const float *x, const float *w, float *out, int T, int D, float eps, int threads) {
-#pragma omp parallel for num_threads(threads) if ((int64_t)T * D >= PAR_MIN_ELEMS)
-    for (int t = 0; t < T; t++) {
-        const float *xr = x + (int64_t)t * D;
-        float *o = out + (int64_t)t * D;
-        float r = inv_rms(xr, D, eps);
+static void over_tokens(rows_fn fn, const void *job, int T, int64_t elems, int threads) {
+    int t = elems >= PAR_MIN_ELEMS ? threads : 1;
+    int chunk = T / (4 * t);
+    parallel_rows(fn, job, T, chunk > 0 ? chunk : 1, t);
+}
+
+struct norm_job {
+    float *x;
+    const float *delta, *w;
+    float *out;
+    int D;
+    float eps;
+};
+
+/* Tokens [lo, hi): x[t] += delta[t] where there is a delta; out[t] = w * x[t] / rms(x[t]). */
+static void norm_rows(const void *p, int lo, int hi) {
+    const struct norm_job *j = p;
+    int D = j->D;
+    for (int t = lo; t < hi; t++) {
+        float *xr = j->x + (int64_t)t * D, *o = j->out + (int64_t)t * D;
+        if (j->delta) {
+            const float *dr = j->delta + (int64_t)t * D;
 #pragma omp simd
-        for (int i = 0; i < D; i++) o[i] = w[i] * (xr[i] * r);
+            for (int i = 0; i < D; i++) xr[i] += dr[i];
+        }
+        float r = inv_rms(xr, D, j->eps);
+#pragma omp simd
+        for (int i = 0; i < D; i++) o[i] = j->w[i] * (xr[i] * r);
     }
+}
+
+/* out[t] = w * x[t] / rms(x[t]) (out may be x) */
+void pd_rms_norm(const float *x, const float *w, float *out, int T, int D, float eps, int threads) {
+    struct norm_job job = {(float *)x, NULL, w, out, D, eps};      /* x is only read: no delta */
+    over_tokens(norm_rows, &job, T, (int64_t)T * D, threads);
 }
 
 /* x[t] += delta[t] (in place: x is the residual stream); out[t] = w * x[t] / rms(x[t]) */
 void pd_add_rms_norm(float *x, const float *delta, const float *w, float *out, int T, int D, float eps,
                      int threads) {
-#pragma omp parallel for num_threads(threads) if ((int64_t)T * D >= PAR_MIN_ELEMS)
-    for (int t = 0; t < T; t++) {
-        float *xr = x + (int64_t)t * D;
-        const float *dr = delta + (int64_t)t * D;
-#pragma omp simd
-        for (int i = 0; i < D; i++) xr[i] += dr[i];
-    }
-    pd_rms_norm(x, w, out, T, D, eps, threads);
+    struct norm_job job = {x, delta, w, out, D, eps};
+    over_tokens(norm_rows, &job, T, (int64_t)T * D, threads);
 }
 
-/* Rotary embedding, half-split layout, in place on q [T, H, D] and k [T, KVH, D] whose token rows
- * are `q_stride` / `k_stride` apart (views into the fused qkv output); cos/sin: [T, D]. */
-void pd_rope(float *q, int64_t q_stride, int H, float *k, int64_t k_stride, int KVH, const float *cos,
-             const float *sin, int T, int D, int threads) {
-    int half = D / 2;
-#pragma omp parallel for num_threads(threads) if ((int64_t)T * (H + KVH) * D >= PAR_MIN_ELEMS)
-    for (int t = 0; t < T; t++) {
-        const float *c = cos + (int64_t)t * D, *s = sin + (int64_t)t * D;
-        for (int h = 0; h < H + KVH; h++) {
-            float *x = h < H ? q + t * q_stride + (int64_t)h * D : k + t * k_stride + (int64_t)(h - H) * D;
+struct rope_job {
+    float *q, *k;
+    int64_t q_stride, k_stride;
+    int H, KVH, D;
+    const float *cos, *sin;
+};
+
+static void rope_rows(const void *p, int lo, int hi) {
+    const struct rope_job *j = p;
+    int H = j->H, D = j->D, half = D / 2;
+    for (int t = lo; t < hi; t++) {
+        const float *c = j->cos + (int64_t)t * D, *s = j->sin + (int64_t)t * D;
+        for (int h = 0; h < H + j->KVH; h++) {
+            float *x = h < H ? j->q + t * j->q_stride + (int64_t)h * D : j->k + t * j->k_stride + (int64_t)(h - H) * D;
 #pragma omp simd
             for (int i = 0; i < half; i++) {
                 float x1 = x[i], x2 = x[i + half];
@@ -286,18 +399,38 @@ void pd_rope(float *q, int64_t q_stride, int H, float *k, int64_t k_stride, int 
     }
 }
 
-/* out[t, i] = silu(gu[t, i]) * gu[t, I + i] */
-void pd_silu_mul(const float *gu, float *out, int T, int I, int threads) {
-#pragma omp parallel for num_threads(threads) if ((int64_t)T * I >= PAR_MIN_ELEMS)
-    for (int t = 0; t < T; t++) {
-        const float *g = gu + (int64_t)t * 2 * I, *u = g + I;
-        float *o = out + (int64_t)t * I;
+/* Rotary embedding, half-split layout, in place on q [T, H, D] and k [T, KVH, D] whose token rows
+ * are `q_stride` / `k_stride` apart (views into the fused qkv output); cos/sin: [T, D]. */
+void pd_rope(float *q, int64_t q_stride, int H, float *k, int64_t k_stride, int KVH, const float *cos,
+             const float *sin, int T, int D, int threads) {
+    struct rope_job job = {q, k, q_stride, k_stride, H, KVH, D, cos, sin};
+    over_tokens(rope_rows, &job, T, (int64_t)T * (H + KVH) * D, threads);
+}
+
+struct silu_job {
+    const float *gu;
+    float *out;
+    int I;
+};
+
+static void silu_rows(const void *p, int lo, int hi) {
+    const struct silu_job *j = p;
+    int I = j->I;
+    for (int t = lo; t < hi; t++) {
+        const float *g = j->gu + (int64_t)t * 2 * I, *u = g + I;
+        float *o = j->out + (int64_t)t * I;
 #pragma omp simd
         for (int i = 0; i < I; i++) {
             float v = g[i];
             o[i] = v / (1.f + exp_fast(-v)) * u[i];
         }
     }
+}
+
+/* out[t, i] = silu(gu[t, i]) * gu[t, I + i] */
+void pd_silu_mul(const float *gu, float *out, int T, int I, int threads) {
+    struct silu_job job = {gu, out, I};
+    over_tokens(silu_rows, &job, T, (int64_t)T * I, threads);
 }
 
 /* Write k[t], v[t] ([KVH, D] rows, strided) to cache slot slots[t]; slot -1 is skipped.

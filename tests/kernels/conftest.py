@@ -14,11 +14,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# name -> (build as portable?, the CPU flag it needs or None, does the build really use it?)
-CPU_VARIANTS = {
-    "avx512-vnni": (False, "avx512_vnni", lambda lib: lib.pd_has_vnni() == 1),
-    "portable": (True, None, lambda lib: lib.pd_has_vnni() == 0),
-}
 _outcome: dict[str, str] = {}
 
 
@@ -32,20 +27,28 @@ def _cpu() -> tuple[str, set[str]]:
     return model, flags
 
 
-@pytest.fixture(scope="module", params=list(CPU_VARIANTS))
+def _variants() -> list[str]:
+    from pdchat.kernels.cpu import INT8_PATHS
+    return [p.name for p in INT8_PATHS]
+
+
+@pytest.fixture(scope="module", params=_variants())
 def ops(request, tmp_path_factory):
-    """The C kernels in one variant; a variant this CPU or compiler cannot run is skipped, visibly."""
+    """The C kernels built with one int8 path; a path this CPU or compiler cannot run is skipped,
+    visibly (the portable path runs everywhere)."""
     from pdchat.kernels import cpu
-    name = request.param
-    portable, flag, really = CPU_VARIANTS[name]
-    if flag is not None and flag not in _cpu()[1]:
-        _outcome[name] = f"not run: this CPU has no {flag}"
-        pytest.skip(f"{name} kernels: this CPU has no {flag}, so they are neither compiled nor run here")
-    lib = cpu.library(tmp_path_factory.mktemp("kernels"), portable=portable)
-    if not really(lib):
-        _outcome[name] = "not run: the compiler did not build its code path"
-        pytest.skip(f"{name} kernels: the compiler did not build this code path")
-    _outcome[name] = "built and tested"
+    path = next(p for p in cpu.INT8_PATHS if p.name == request.param)
+    missing = [f for f in path.cpu_flags if f not in _cpu()[1]]
+    if missing:
+        _outcome[path.name] = f"not run: this CPU has no {' '.join(missing)}"
+        pytest.skip(f"{path.name} kernels: this CPU has no {' '.join(missing)}, so they are neither compiled nor run here")
+    try:
+        lib = cpu.library(tmp_path_factory.mktemp("kernels"), int8=path.name)
+    except cpu.KernelsUnavailable as e:
+        _outcome[path.name] = f"not run: the compiler did not build it ({e})"
+        pytest.skip(f"{path.name} kernels: {e}")
+    assert cpu.int8_path(lib) == path           # the build runs the path it was asked for
+    _outcome[path.name] = "built and tested"
     return cpu.CpuKernels(lib)
 
 
@@ -55,5 +58,5 @@ def pytest_terminal_summary(terminalreporter):
     model, flags = _cpu()
     simd = " ".join(sorted(f for f in flags if f.startswith(("avx", "fma", "asimd", "neon", "sve")))) or "none"
     terminalreporter.write_line(f"CPU kernel variants on {model} (SIMD flags: {simd}):")
-    for name in CPU_VARIANTS:
+    for name in _variants():
         terminalreporter.write_line(f"  {name:12s} {_outcome.get(name, 'not run: no test used it')}")

@@ -47,6 +47,20 @@ def test_int8_product_is_as_exact_as_fp32_activations(ops, rows):
     assert torch.equal(back_q, q) and torch.equal(back_scales, scales)
 
 
+def test_int8_product_at_full_scale_is_exact(ops):
+    """Every weight and activation at +-127: a pair of products is 2 * 127 * 127 = 32,258, the
+    most a 16-bit lane (AVX2's maddubs) must hold; integer sums are exact, so the result is too."""
+    signs = torch.where(torch.arange(128) % 3 == 0, -1.0, 1.0)
+    w = torch.stack([signs, -signs, torch.ones(128), -torch.ones(128)]) * 0.5
+    q, scales = quantize(w)
+    assert q.abs().min() == 127
+    x = torch.stack([torch.full((128,), 2.0), signs * 3.0, -signs])     # each block at +-its maximum
+    packed, packed_scales = ops.pack_int8(q, scales, torch.float32)
+    exact = x.double() @ (q.double() * scales.double()[:, None]).T
+    got = ops.linear_int8(x, packed, packed_scales)
+    torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=1e-5)
+
+
 def test_int8_width_not_a_multiple_of_64_uses_aten(ops):
     q, scales = quantize(rand(16, 40))
     packed, packed_scales = ops.pack_int8(q, scales, torch.float32)
@@ -61,7 +75,7 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_int8(w)
 
 
-@pytest.mark.parametrize("T", [5, 40])              # a decode batch; a prefill run split over threads
+@pytest.mark.parametrize("T", [5, 40])
 def test_norms_match_reference(ops, T):
     x, delta, w = rand(T, 96), rand(T, 96, seed=1), rand(96, seed=2)
     torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5), **TOL)
@@ -92,6 +106,28 @@ def test_silu_mul_matches_reference(ops, T):
     gate_up = rand(T, 2 * 48) * 4
     gate_up[0, :6] = torch.tensor([-100.0, -87.5, -20.0, 20.0, 88.5, 100.0])   # exp's clamped range
     torch.testing.assert_close(ops.silu_mul(gate_up), reference.silu_mul(gate_up), **TOL)
+
+
+def test_prefill_sized_elementwise_runs_split_over_threads_alike(ops):
+    """Above 2^18 elements the elementwise kernels split tokens over the pool's threads."""
+    assert torch.get_num_threads() >= 2, "the split needs two threads"
+    T, D = 70, 4096
+    x, delta, w = rand(T, D), rand(T, D, seed=1), rand(D, seed=2)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5), **TOL)
+    want_sum, want_norm = reference.add_rms_norm(x, delta, w, 1e-6)
+    got_sum, got_norm = ops.add_rms_norm(x.clone(), delta, w, 1e-6)
+    torch.testing.assert_close(got_sum, want_sum, **TOL)
+    torch.testing.assert_close(got_norm, want_norm, **TOL)
+    gate_up = rand(T, 2 * D) * 4
+    torch.testing.assert_close(ops.silu_mul(gate_up), reference.silu_mul(gate_up), **TOL)
+    heads, kv_heads, head_dim = 32, 8, 128
+    q, k = rand(T, heads, head_dim, seed=3), rand(T, kv_heads, head_dim, seed=4)
+    angles = rand(T, head_dim // 2, seed=5)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    want_q, want_k = reference.rope(q.clone(), k.clone(), cos, sin)
+    got_q, got_k = ops.rope(q, k, cos, sin)
+    torch.testing.assert_close(got_q, want_q, **TOL)
+    torch.testing.assert_close(got_k, want_k, **TOL)
 
 
 def test_store_kv_skips_padding_slots_and_reads_strided_rows(ops):
@@ -165,7 +201,10 @@ def test_build_failure_is_a_typed_error(tmp_path, monkeypatch):
 def test_info_names_the_build_or_why_there_is_none(tmp_path, monkeypatch):
     from pdchat.engine.info import info
     monkeypatch.setenv("PDCHAT_CACHE_DIR", str(tmp_path / "ok"))
-    assert info()["cpu kernels"].startswith("C, ")
+    best = cpu.int8_path(cpu.library(tmp_path / "ok" / "probe"))
+    assert info()["cpu kernels"] == f"C, int8 product on {best.title}"
+    flags = cpu.cpu_flags()
+    assert best == [p for p in cpu.INT8_PATHS if all(f in flags for f in p.cpu_flags)][-1]   # the best it has
     monkeypatch.setenv("PDCHAT_CACHE_DIR", str(tmp_path / "broken"))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     assert info()["cpu kernels"].startswith("unavailable (no C compiler")
