@@ -9,8 +9,8 @@ What it does:
    layout the installed package has: pdchat/engine, pdchat/bench, pdchat/kernels, pdchat/chatapp, pdchat/themes
    (+ an empty pdchat/__init__.py), tests/, and pyproject.toml with a [tool.mutmut] section.
    The repository has no pdchat/ folder (setuptools' package-dir maps it), and mutmut needs one.
-2. Runs `mutmut run --max-children 1` there (one worker; OMP/MKL threads 1: it leaves the second
-   core of a 2-core machine free). mutmut copies the stage into stage/mutants/, puts that folder
+2. Runs `mutmut run --max-children 1` there (one worker by default, `--workers N` for more;
+   OMP/MKL threads 1: one worker leaves the second core of a 2-core machine free). mutmut copies the stage into stage/mutants/, puts that folder
    first on sys.path, and runs pytest in it, so `pdchat.engine` is imported from the mutated copy,
    not from the editable install in .venv (whose finder sits at the END of sys.meta_path).
    `--self-check` proves it: it plants a deliberately wrong line in the staged sampler and checks
@@ -24,6 +24,7 @@ Exit status: 0 when the kill rate reaches --min-rate (90 %) and every survivor i
 
     python tools/mutation.py                 # full run (about half an hour on 2 cores)
     python tools/mutation.py --report-only   # rebuild the report from the last run
+    python tools/mutation.py --resume [--workers 2]   # go on with an interrupted run
     python tools/mutation.py --rerun NAME..  # re-sync tests/ into the last stage, re-run mutants
     python tools/mutation.py --self-check    # prove the tests see mutated code
     python tools/mutation.py --check MUTANT [TEST..]   # do the current tests kill this mutant?
@@ -171,8 +172,8 @@ def sync_tests() -> None:
             shutil.copytree(ROOT / "tests", base / "tests", ignore=_ignore)
 
 
-def run_mutmut(names: list[str]) -> int:
-    cmd = [str(mutmut_bin()), "run", "--max-children", "1", *names]
+def run_mutmut(names: list[str], workers: int = 1) -> int:
+    cmd = [str(mutmut_bin()), "run", "--max-children", str(workers), *names]
     print("$", " ".join(cmd), f"(in {STAGE.relative_to(ROOT)})", flush=True)
     return subprocess.run(cmd, cwd=STAGE, env=env()).returncode
 
@@ -379,6 +380,10 @@ def main() -> int:
     ap.add_argument("--rerun", nargs="+", metavar="MUTANT", help="re-run these mutants (globs ok) in the last stage")
     ap.add_argument("--check", nargs="+", metavar=("MUTANT", "TEST"),
                     help="run the current tests (pytest node ids) against one mutant of the last run")
+    ap.add_argument("--resume", action="store_true",
+                    help="go on with the last run in its stage (mutmut keeps every result it has)")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="mutants tested at once (default 1: a core stays free; each worker uses one core)")
     ap.add_argument("--min-rate", type=float, default=90.0)
     args = ap.parse_args()
     version = check_mutmut()
@@ -389,12 +394,17 @@ def main() -> int:
     wall = None
     if args.rerun:
         sync_tests()
-        run_mutmut(args.rerun)
+        run_mutmut(args.rerun, args.workers)
     elif not args.report_only:
-        stage()
+        if not args.resume:
+            stage()
+        elif not (STAGE / "mutants").exists():
+            sys.exit("nothing to resume: run `make mutation` first")
         t0 = time.monotonic()
-        rc = run_mutmut([])
+        rc = run_mutmut([], args.workers)
         wall = time.monotonic() - t0
+        if args.resume and (WORK / "wall_s").exists():
+            wall += float((WORK / "wall_s").read_text())       # the interrupted part counts too
         (WORK / "wall_s").write_text(f"{wall:.0f}\n")
         if rc != 0:
             print(f"mutmut exited with {rc}", file=sys.stderr)

@@ -106,6 +106,51 @@ def test_submit_errors_name_the_field_and_whose_fault():
     assert (closed.status, closed.type, closed.message) == (503, "server_error", "engine shut down")
 
 
+# ---- what the engine refuses at submit time, and routes that do not exist --------------------------
+COMPLETIONS = "/v1/completions"
+
+
+def test_a_prompt_the_engine_refuses_is_a_400_that_says_why(http):
+    r = http.post(COMPLETIONS, json={"model": MODEL, "prompt": [5, 10**9], "max_tokens": 2})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["message"].startswith("token id 1000000000 is outside the vocabulary (0..")
+    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", None, None)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    (COMPLETIONS, {"prompt": [5] * 4096}, "prompt"),
+    (CHAT, {"messages": [{"role": "user", "content": "hello " * 4000}]}, "messages"),
+])
+def test_a_prompt_past_the_context_window_names_its_field(http, path, body, param):
+    r = http.post(path, json={"model": MODEL, "max_tokens": 2, **body})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", param, "context_length_exceeded")
+    assert "context window is 4096 tokens" in err["message"]
+
+
+def test_a_request_to_a_closed_engine_is_a_503():
+    eng = Engine(model=MODEL, device="cpu", telemetry=False, kv_cache_mb=16)
+    with running(create_app(eng)) as url, httpx.Client(base_url=url, timeout=30) as http:
+        eng.close()
+        r = http.post(CHAT, json=ask())
+    assert r.status_code == 503 and r.headers.get("retry-after") == "1"
+    assert r.json()["error"] == {"message": "the engine is shut down", "type": "server_error", "param": None,
+                                 "code": None}
+
+
+@pytest.mark.parametrize("method, path, status, detail", [
+    ("GET", "/v1/nowhere", 404, "Not Found"),
+    ("GET", CHAT, 405, "Method Not Allowed"),
+])
+def test_a_route_that_is_not_there_is_an_error_object(http, method, path, status, detail):
+    r = http.request(method, path)
+    assert r.status_code == status
+    assert r.json()["error"] == {"message": f"{method} {path}: {detail}", "type": "invalid_request_error",
+                                 "param": None, "code": None}
+
+
 # ---- a request that outgrows the KV pool while it generates ----------------------------------
 @pytest.fixture(scope="module")
 def small_pool():

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from pdchat.engine.block_manager import BlockManager
 from pdchat.engine.config import SamplingParams
 from pdchat.engine.sequence import Sequence
@@ -189,3 +191,10 @@ def test_hit_rate_adds_up_every_lookup():
     bm.record_lookup(10, 4)
     bm.record_lookup(6, 0)
     assert (bm.queried_tokens, bm.hit_tokens) == (16, 4) and bm.hit_rate == 0.25
+
+
+def test_a_pool_needs_at_least_one_block():
+    with pytest.raises(ValueError, match="^the KV pool needs at least one block$"):
+        BlockManager(0, 16)
+    one = BlockManager(1, 16)
+    assert one.num_blocks == one.num_free == 1 and one.num_used == 0

@@ -82,3 +82,92 @@ def test_preemption_resets_the_victim_and_counts_every_time():
         assert list(sched.waiting) == [victim] and sched.running == []
         run(sched.schedule())                                 # admitted again
         assert victim.status is Status.RUNNING
+
+
+# ---- running requests by hand: how one step treats decodes, prefills, the budget and the pool ----
+def decoding(rid: str, prompt: int, start: int = 1) -> Sequence:
+    """A request past its prompt: one sampled token to compute next."""
+    s = seq(rid, prompt, start)
+    s.token_ids.append(7)
+    s.t_first_token = 1.0
+    return s
+
+
+def place(sched: Scheduler, s: Sequence, computed: int, order: int, capacity: int) -> None:
+    """Put s in the running list with `computed` tokens done and blocks for `capacity` tokens."""
+    assert sched.blocks.ensure_capacity(s, capacity)
+    s.num_computed_tokens, s.admitted_order, s.status = computed, order, Status.RUNNING
+    sched.running.append(s)
+
+
+def planned(plan) -> list[tuple[str, int]]:
+    return [(i.seq.request_id, i.num_tokens) for i in plan.items]
+
+
+def test_decodes_take_the_budget_first_and_prefills_get_what_is_left():
+    sched = Scheduler(BlockManager(32, 4, prefix_cache=False), max_num_seqs=8, chunk_size=2)
+    prefill, decode = seq("p", 6), decoding("d", 4, 100)
+    place(sched, prefill, 4, 0, 4)                  # 2 prompt tokens to go, listed first
+    place(sched, decode, 4, 1, 5)
+    plan = sched.schedule()
+    assert planned(plan) == [("d", 1), ("p", 1)]    # within the budget of 2, the stream first
+
+
+def test_a_spent_budget_never_starves_a_decode_and_holds_back_prefills():
+    sched = Scheduler(BlockManager(32, 4, prefix_cache=False), max_num_seqs=8, chunk_size=2)
+    for i in range(3):
+        place(sched, decoding(f"d{i}", 4, 100 * (i + 1)), 4, i, 5)
+    place(sched, seq("p", 6), 4, 3, 4)              # 2 prompt tokens left: still a prefill
+    plan = sched.schedule()
+    assert planned(plan) == [("d0", 1), ("d1", 1), ("d2", 1)]
+
+
+def test_a_victim_preempted_mid_loop_is_skipped_and_the_rest_still_planned():
+    sched = Scheduler(BlockManager(4, 4, prefix_cache=False), max_num_seqs=8, chunk_size=None)
+    a, victim, prefill = decoding("a", 4), decoding("v", 4, 100), seq("p", 8, 200)
+    place(sched, a, 4, 0, 4)                        # its next token needs a second block
+    place(sched, victim, 4, 2, 5)                   # the latest admitted: two blocks
+    place(sched, prefill, 4, 1, 4)                  # sorts after both decodes
+    assert sched.blocks.num_free == 0
+    plan = sched.schedule()
+    assert planned(plan) == [("a", 1), ("p", 4)]
+    assert victim.status is Status.WAITING and list(sched.waiting) == [victim]
+
+
+def test_without_the_kv_cache_every_step_recomputes_the_whole_sequence():
+    sched = Scheduler(BlockManager(32, 4, prefix_cache=False), max_num_seqs=8, chunk_size=None, kv_cache=False)
+    s = decoding("d", 6)
+    place(sched, s, 6, 0, 7)
+    plan = sched.schedule()
+    assert planned(plan) == [("d", 7)] and s.num_computed_tokens == 0 and plan.items[0].samples
+
+
+def test_a_lone_request_outgrowing_the_pool_fails_at_once_without_a_preemption():
+    blocks = BlockManager(2, 4, prefix_cache=False)
+    sched = Scheduler(blocks, max_num_seqs=8, chunk_size=None)
+    s = decoding("big", 8)
+    place(sched, s, 8, 0, 8)                        # both blocks full; the next token needs a third
+    plan = sched.schedule()
+    assert plan.items == [] and plan.failed == [s]
+    assert s.preemptions == 0 and not sched.running and not sched.waiting and blocks.num_free == 2
+
+
+def test_an_unplanned_victim_gives_its_tokens_back_to_the_budget():
+    sched = Scheduler(BlockManager(4, 4, prefix_cache=False), max_num_seqs=8, chunk_size=4)
+    victim, d, prefill = decoding("v", 4, 100), decoding("d", 4), seq("p", 12, 200)
+    place(sched, victim, 4, 3, 5)                   # planned first, then preempted for d
+    place(sched, d, 4, 1, 4)                        # needs a second block; none is free
+    place(sched, prefill, 4, 2, 4)
+    plan = sched.schedule()
+    assert planned(plan) == [("d", 1), ("p", 3)]    # budget 4: d's one token, the prefill the rest
+    assert victim.status is Status.WAITING
+
+
+def test_an_unplanned_victim_without_a_budget_leaves_a_sound_plan():
+    sched = Scheduler(BlockManager(4, 4, prefix_cache=False), max_num_seqs=8, chunk_size=None)
+    victim, d = decoding("v", 4, 100), decoding("d", 4)
+    place(sched, victim, 4, 3, 5)
+    place(sched, d, 4, 1, 4)
+    place(sched, seq("p", 6, 200), 4, 2, 4)
+    plan = sched.schedule()
+    assert planned(plan) == [("d", 1), ("p", 2)] and victim.status is Status.WAITING
