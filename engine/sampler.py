@@ -30,9 +30,8 @@ def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     top_p = [p.top_p for p in params]
     if any(0 < k < V for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
         ks = torch.tensor([k if 0 < k < V else V for k in top_k], device=device)
-        remove |= torch.arange(V, device=device).unsqueeze(0) >= ks.unsqueeze(1)
+        remove = torch.arange(V, device=device).unsqueeze(0) >= ks.unsqueeze(1)
         ps = torch.tensor(top_p, device=device, dtype=logits.dtype)
         probs_sorted = sorted_logits.masked_fill(remove, float("-inf")).softmax(-1)
         # Drop a token when the mass before it already reaches top_p: the token that crosses

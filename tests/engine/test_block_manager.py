@@ -198,3 +198,59 @@ def test_a_pool_needs_at_least_one_block():
         BlockManager(0, 16)
     one = BlockManager(1, 16)
     assert one.num_blocks == one.num_free == 1 and one.num_used == 0
+
+
+def cache(bm: BlockManager, tokens, rid: str, namespace=None) -> Sequence:
+    """Run a request through: match, allocate, commit what it computed, free. Returns it."""
+    s = seq(tokens, rid)
+    s.namespace = namespace
+    bm.match_prefix(s)
+    assert bm.ensure_capacity(s, len(s.token_ids))
+    bm.commit(s, len(s.token_ids))
+    bm.free_seq(s)
+    return s
+
+
+def hit(bm: BlockManager, tokens, namespace=None) -> int:
+    s = seq(tokens, "probe")
+    s.namespace = namespace
+    covered = bm.match_prefix(s)
+    bm.free_seq(s)
+    return covered
+
+
+def test_requests_of_one_namespace_share_their_prefix():
+    bm = BlockManager(8, 4)
+    cache(bm, [1, 2, 3, 4, 5], "a", namespace="tenant")
+    assert hit(bm, [1, 2, 3, 4, 9], namespace="tenant") == 4
+    assert hit(bm, [1, 2, 3, 4, 9], namespace="other") == 0 and hit(bm, [1, 2, 3, 4, 9]) == 0
+
+
+def test_a_prefix_grown_from_a_hit_chains_on_to_the_blocks_it_matched():
+    bm = BlockManager(8, 4)
+    cache(bm, range(1, 10), "a")                               # [1..4] and [5..8] cached
+    cache(bm, [1, 2, 3, 4, 20, 21, 22, 23, 24], "b")           # hits [1..4], caches [20..23] after it
+    assert hit(bm, [1, 2, 3, 4, 20, 21, 22, 23, 30]) == 8
+
+
+def test_an_evicted_block_leaves_the_table_and_its_tokens_can_be_cached_again():
+    bm = BlockManager(2, 4)
+    cache(bm, [1, 2, 3, 4, 5], "a")
+    assert len(bm.table) == 1
+    cache(bm, range(50, 58), "b")                              # needs both blocks: evicts [1..4]
+    assert hit(bm, [1, 2, 3, 4, 9]) == 0 and len(bm.table) == 2     # b's two blocks only
+    cache(bm, [1, 2, 3, 4, 6], "c")
+    assert hit(bm, [1, 2, 3, 4, 9]) == 4
+
+
+def test_freed_plain_blocks_are_reused_before_cached_ones():
+    bm = BlockManager(3, 4)
+    a = seq([1, 2, 3, 4, 5], "a")                              # one cached block, one plain
+    plain = seq([60, 61, 62], "plain")                         # one plain block
+    assert bm.ensure_capacity(a, 5) and bm.ensure_capacity(plain, 3)
+    bm.commit(a, 5)
+    bm.free_seq(a)
+    bm.free_seq(plain)                                         # freed last, yet reused first
+    taker = seq(range(70, 78), "taker")
+    assert bm.ensure_capacity(taker, 8)                        # two blocks: both plain ones
+    assert bm.num_cached_free == 1 and hit(bm, [1, 2, 3, 4, 9]) == 4

@@ -68,3 +68,64 @@ def test_usable_needs_finite_non_negative_rows_with_mass():
                          [0.6, -0.1, 0.5],                  # negative weight, positive sum
                          [0.0, 0.0, 0.0]])                  # no mass
     assert usable(rows).tolist() == [True, False, False, False, False]
+
+
+# ---- target_probs on values worked out by hand (exact in float32) ------------------------------------
+def sp(**kw) -> SamplingParams:
+    return SamplingParams(**{"temperature": 1.0, **kw})
+
+
+def test_top_k_of_one_is_the_argmax_alone():
+    probs = target_probs(torch.tensor([[0.0, 2.0, 1.0, 1.5]]), [sp(top_k=1)])
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]
+
+
+def test_top_k_drops_the_rest_even_where_the_kept_mass_rounds_below_one():
+    # The three kept probabilities sum to 0.99999988 in float32: a top-p of 1.0 applied on top
+    # of them must not let the other five back in.
+    logits = torch.tensor([[-0.5663175, 0.3731146, -0.8919953, -1.5091077, 0.3703935, 1.4565026, 0.9398099,
+                            0.7748488]])
+    probs = target_probs(logits, [sp(top_k=3)])
+    assert (probs[0] > 0).nonzero().flatten().tolist() == [5, 6, 7]
+    torch.testing.assert_close(probs[0, 5:], logits[0, 5:].softmax(-1))
+
+
+def test_top_p_can_leave_the_first_token_alone():
+    probs = target_probs(torch.tensor([[0.0, 2.0, 0.0]]), [sp(top_p=0.5)])     # the top one is 0.79
+    assert probs.tolist() == [[0.0, 1.0, 0.0]]
+
+
+def test_top_p_of_one_keeps_tokens_after_the_mass_rounds_to_one():
+    probs = target_probs(torch.tensor([[30.0, 0.0, 0.0, 0.0]]), [sp(top_p=1.0)])
+    assert probs[0, 0] == 1.0 and bool((probs[0, 1:] > 0).all())      # ~1e-13 each, not dropped
+
+
+def test_top_p_drops_a_token_once_the_mass_before_it_reaches_p_exactly():
+    probs = target_probs(torch.zeros(1, 4), [sp(top_p=0.5)])          # 0.25 each: 0, .25, .5, .75 before
+    assert sorted(probs[0].tolist()) == [0.0, 0.0, 0.5, 0.5]
+
+
+def test_top_k_and_top_p_together_apply_both():
+    probs = target_probs(torch.zeros(1, 4), [sp(top_k=2, top_p=0.99)])
+    assert sorted(probs[0].tolist()) == [0.0, 0.0, 0.5, 0.5]
+
+
+def test_min_p_keeps_tokens_level_with_its_threshold():
+    ln2 = torch.log(torch.tensor(2.0)).item()
+    probs = target_probs(torch.tensor([[ln2, 0.0, 0.0]]), [sp(min_p=0.5)])     # 0.25 = 0.5 x the top
+    assert probs.tolist() == [[0.5, 0.25, 0.25]]
+
+
+def test_min_p_renormalizes_each_row_of_a_batch_by_itself():
+    ln2 = torch.log(torch.tensor(2.0)).item()
+    logits = torch.tensor([[ln2, 0.0, 0.0, -10.0], [0.0, 0.0, -10.0, -10.0], [0.0, 1.0, 2.0, 3.0]])
+    probs = target_probs(logits, [sp(min_p=0.4), sp(min_p=0.5), sp()])
+    torch.testing.assert_close(probs[0], torch.tensor([0.5, 0.25, 0.25, 0.0]))
+    torch.testing.assert_close(probs[1], torch.tensor([0.5, 0.5, 0.0, 0.0]))
+    torch.testing.assert_close(probs[2], torch.tensor([0.0, 1.0, 2.0, 3.0]).softmax(-1))
+
+
+def test_a_greedy_row_stays_one_hot_beside_a_nan_row():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [float("nan")] * 3])
+    probs = target_probs(logits, [SamplingParams(temperature=0.0), sp()])
+    assert probs[0].tolist() == [0.0, 1.0, 0.0] and bool(probs[1].isnan().all())

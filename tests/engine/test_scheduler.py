@@ -64,6 +64,7 @@ def test_a_refused_admission_keeps_no_blocks():
     plan = sched.schedule()
     assert [i.seq for i in plan.items] == [runner]
     assert newcomer.status is Status.WAITING and newcomer.block_table == []
+    assert newcomer.num_computed_tokens == 0 and newcomer.t_first_scheduled is None
     assert blocks.num_used == len(runner.block_table)
 
 
@@ -171,3 +172,69 @@ def test_an_unplanned_victim_without_a_budget_leaves_a_sound_plan():
     place(sched, seq("p", 6, 200), 4, 2, 4)
     plan = sched.schedule()
     assert planned(plan) == [("d", 1), ("p", 2)] and victim.status is Status.WAITING
+
+
+# ---- admission -------------------------------------------------------------------------------------
+def test_admission_stops_at_the_batch_limit():
+    sched = Scheduler(BlockManager(32, 4, prefix_cache=False), max_num_seqs=2, chunk_size=None)
+    for i in range(3):
+        sched.add(seq(f"s{i}", 5, 10 * i + 1))
+    plan = sched.schedule()
+    assert planned(plan) == [("s0", 5), ("s1", 5)] and [s.request_id for s in sched.waiting] == ["s2"]
+
+
+def test_admission_records_the_cached_prefix_and_the_first_scheduling_time_once():
+    blocks = BlockManager(8, 4, prefix_cache=True)
+    sched = Scheduler(blocks, max_num_seqs=8, chunk_size=None)
+    first = seq("first", 9)
+    sched.add(first)
+    run(sched.schedule())
+    blocks.commit(first, first.num_computed_tokens)
+    sched.remove(first)
+    again = seq("again", 12)                                   # its first 8 tokens are cached
+    sched.add(again)
+    plan = sched.schedule()
+    assert planned(plan) == [("again", 4)] and again.num_cached_prompt_tokens == 8
+    assert (blocks.queried_tokens, blocks.hit_tokens) == (9 + 12, 8)
+    t_first = again.t_first_scheduled
+    assert t_first is not None and again.admitted_order == 1
+    sched._preempt(again)
+    run(sched.schedule())                                      # admitted again: no new lookup counted
+    assert again.t_first_scheduled == t_first and again.num_cached_prompt_tokens == 8
+    assert blocks.queried_tokens == 9 + 12 and again.admitted_order == 2
+
+
+def test_naive_mode_admits_a_prompt_whole_despite_cached_blocks():
+    blocks = BlockManager(8, 4, prefix_cache=True)
+    first = seq("first", 9)
+    warm = Scheduler(blocks, max_num_seqs=8, chunk_size=None)
+    warm.add(first)
+    run(warm.schedule())
+    blocks.commit(first, first.num_computed_tokens)
+    warm.remove(first)
+    naive = Scheduler(blocks, max_num_seqs=8, chunk_size=None, kv_cache=False)
+    again = seq("again", 12)
+    naive.add(again)
+    assert planned(naive.schedule()) == [("again", 12)] and again.num_cached_prompt_tokens == 0
+
+
+def test_a_waiting_request_too_big_for_the_empty_pool_fails_and_the_next_is_admitted():
+    blocks = BlockManager(2, 4, prefix_cache=False)
+    sched = Scheduler(blocks, max_num_seqs=8, chunk_size=None)
+    big = decoding("big", 8)                                   # 9 tokens after a preemption: 3 blocks
+    small = seq("small", 3, 100)
+    sched.add(big)
+    sched.add(small)
+    plan = sched.schedule()
+    assert plan.failed == [big] and planned(plan) == [("small", 3)]
+    assert big.block_table == [] and big.num_computed_tokens == 0 and not sched.waiting
+
+
+def test_a_request_that_fits_only_alone_waits_for_the_others():
+    blocks = BlockManager(3, 4, prefix_cache=False)
+    sched = Scheduler(blocks, max_num_seqs=8, chunk_size=None)
+    first, second = seq("first", 8), seq("second", 8, 100)     # two blocks each, three in the pool
+    sched.add(first)
+    sched.add(second)
+    plan = sched.schedule()
+    assert planned(plan) == [("first", 8)] and plan.failed == [] and list(sched.waiting) == [second]
