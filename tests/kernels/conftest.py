@@ -17,6 +17,12 @@ if not torch.cuda.is_available():
 _outcome: dict[str, str] = {}
 
 
+def record_variant(name: str, outcome: str) -> None:
+    """Say how a kernel variant fared here, for the summary at the end (test_arm_kernels runs
+    the aarch64 build under qemu, outside the `ops` fixture)."""
+    _outcome[name] = outcome
+
+
 def _cpu() -> tuple[str, set[str]]:
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -40,7 +46,7 @@ def ops(request, tmp_path_factory):
     path = next(p for p in cpu.INT8_PATHS if p.name == request.param)
     missing = [f for f in path.cpu_flags if f not in _cpu()[1]]
     if missing:
-        _outcome[path.name] = f"not run: this CPU has no {' '.join(missing)}"
+        _outcome.setdefault(path.name, f"not run: this CPU has no {' '.join(missing)}")
         pytest.skip(f"{path.name} kernels: this CPU has no {' '.join(missing)}, so they are neither compiled nor run here")
     try:
         lib = cpu.library(tmp_path_factory.mktemp("kernels"), int8=path.name)

@@ -1,0 +1,98 @@
+/* Runs pdchat's CPU kernels on jobs read from a file and writes their outputs to another, so that
+ * tests/kernels/test_arm_kernels.py can check an aarch64 build under qemu-user against the PyTorch
+ * reference on the host. Built with -I kernels: this one translation unit includes the kernels.
+ *
+ * Input: int32 job count, then per job an int32 op code, four int32 dims and the op's arrays
+ * (float32, or uint8 for int8 weights) in the order read below. Output: int32 pd_int8_path(),
+ * then each job's results as float32 arrays in the order written below. */
+#include <stdio.h>
+#include "cpu_kernels.c"
+
+enum { OP_LINEAR_U8 = 1, OP_LINEAR_F32, OP_RMS_NORM, OP_ADD_RMS_NORM, OP_SILU_MUL, OP_ROPE, OP_DECODE_ATTENTION };
+#define THREADS 2
+#define EPS 1e-5f
+
+static FILE *in, *out;
+
+static void *take(size_t bytes) {
+    void *p = malloc(bytes ? bytes : 1);
+    if (!p || fread(p, 1, bytes, in) != bytes) {
+        fprintf(stderr, "arm_driver: short input\n");
+        exit(2);
+    }
+    return p;
+}
+
+static float *floats(size_t n) { return take(n * sizeof(float)); }
+
+static void put(const float *p, size_t n) { fwrite(p, sizeof(float), n, out); }
+
+/* One decode query per head against `len` cached keys in blocks of `bs` (block i of the table is i). */
+static void decode_attention(int H, int KVH, int D, int len) {
+    const int bs = 4, nb = (len + bs - 1) / bs;
+    float *q = floats((size_t)H * D), *k = floats((size_t)nb * bs * KVH * D), *v = floats((size_t)nb * bs * KVH * D);
+    int32_t *table = malloc(sizeof(int32_t) * nb), cu_q[2] = {0, 1}, ctx[1] = {len};
+    for (int i = 0; i < nb; i++) table[i] = i;
+    float *o = malloc(sizeof(float) * H * D);
+    pd_paged_attention(q, (int64_t)H * D, k, v, table, nb, cu_q, ctx, 1, H, KVH, D, bs, 1.f / sqrtf((float)D), o,
+                       THREADS);
+    put(o, (size_t)H * D);
+    free(q), free(k), free(v), free(table), free(o);
+}
+
+static void run(int op, const int *d) {
+    if (op == OP_LINEAR_U8 || op == OP_LINEAR_F32) {
+        int M = d[0], N = d[1], K = d[2];
+        float *x = floats((size_t)M * K), *y = malloc(sizeof(float) * M * N);
+        void *w = take((size_t)N * K * (op == OP_LINEAR_U8 ? 1 : sizeof(float)));
+        float *scales = op == OP_LINEAR_U8 ? floats(N) : NULL, *bias = floats(N);
+        if (op == OP_LINEAR_U8 && pd_linear_u8(x, w, scales, bias, y, M, N, K, THREADS) != 0) exit(3);
+        if (op == OP_LINEAR_F32) pd_linear_f32(x, w, bias, y, M, N, K, THREADS);
+        put(y, (size_t)M * N);
+        free(x), free(y), free(w), free(scales), free(bias);
+    } else if (op == OP_RMS_NORM || op == OP_ADD_RMS_NORM) {
+        int T = d[0], D = d[1];
+        float *x = floats((size_t)T * D), *delta = op == OP_ADD_RMS_NORM ? floats((size_t)T * D) : NULL;
+        float *w = floats(D), *o = malloc(sizeof(float) * T * D);
+        if (delta) pd_add_rms_norm(x, delta, w, o, T, D, EPS, THREADS);
+        else pd_rms_norm(x, w, o, T, D, EPS, THREADS);
+        if (delta) put(x, (size_t)T * D);
+        put(o, (size_t)T * D);
+        free(x), free(delta), free(w), free(o);
+    } else if (op == OP_SILU_MUL) {
+        int T = d[0], I = d[1];
+        float *gu = floats((size_t)T * 2 * I), *o = malloc(sizeof(float) * T * I);
+        pd_silu_mul(gu, o, T, I, THREADS);
+        put(o, (size_t)T * I);
+        free(gu), free(o);
+    } else if (op == OP_ROPE) {
+        int T = d[0], H = d[1], KVH = d[2], D = d[3];
+        float *q = floats((size_t)T * H * D), *k = floats((size_t)T * KVH * D);
+        float *c = floats((size_t)T * D), *s = floats((size_t)T * D);
+        pd_rope(q, (int64_t)H * D, H, k, (int64_t)KVH * D, KVH, c, s, T, D, THREADS);
+        put(q, (size_t)T * H * D);
+        put(k, (size_t)T * KVH * D);
+        free(q), free(k), free(c), free(s);
+    } else if (op == OP_DECODE_ATTENTION) {
+        decode_attention(d[0], d[1], d[2], d[3]);
+    } else {
+        fprintf(stderr, "arm_driver: unknown op %d\n", op);
+        exit(2);
+    }
+}
+
+int main(int argc, char **argv) {
+    if (argc != 3 || !(in = fopen(argv[1], "rb")) || !(out = fopen(argv[2], "wb"))) {
+        fprintf(stderr, "usage: arm_driver INPUT OUTPUT\n");
+        return 2;
+    }
+    int32_t jobs, path = pd_int8_path();
+    fwrite(&path, sizeof path, 1, out);
+    if (fread(&jobs, sizeof jobs, 1, in) != 1) return 2;
+    for (int j = 0; j < jobs; j++) {
+        int32_t head[5];
+        if (fread(head, sizeof(int32_t), 5, in) != 5) return 2;
+        run(head[0], head + 1);
+    }
+    return fclose(out) == 0 ? 0 : 1;
+}
