@@ -165,11 +165,13 @@ timeout_constant = 5.0
 
 
 def sync_tests() -> None:
-    """Copy the current tests into an existing stage (and its mutants/ copy) for --rerun."""
+    """Copy the current tests into an existing stage (and its mutants/ copy) for --rerun. The
+    map of which tests run which function is dropped with the old tests: mutmut rebuilds it."""
     for base in (STAGE, STAGE / "mutants"):
         if base.exists():
             shutil.rmtree(base / "tests", ignore_errors=True)
             shutil.copytree(ROOT / "tests", base / "tests", ignore=_ignore)
+    (STAGE / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
 
 
 def run_mutmut(names: list[str], workers: int = 1) -> int:

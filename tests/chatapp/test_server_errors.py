@@ -22,6 +22,15 @@ from .loopback import MODEL, running, wait_until
 CHAT = "/v1/chat/completions"
 
 
+@pytest.fixture
+def http(engine):
+    """A client of an app of its own over the module's engine: each test builds the error handlers
+    it exercises (`make mutation` maps a mutant to the tests that run its function; a module-wide
+    app would be built, and so counted, in the first test only)."""
+    with running(create_app(engine)) as url, httpx.Client(base_url=url, timeout=30) as client:
+        yield client
+
+
 def ask(**kw) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, **kw}
 

@@ -238,3 +238,24 @@ def test_a_request_that_fits_only_alone_waits_for_the_others():
     sched.add(second)
     plan = sched.schedule()
     assert planned(plan) == [("first", 8)] and plan.failed == [] and list(sched.waiting) == [second]
+
+
+def test_a_request_preempting_itself_still_lets_the_older_ones_run():
+    sched = Scheduler(BlockManager(3, 4, prefix_cache=False), max_num_seqs=8, chunk_size=None)
+    older, newest = seq("older", 8), decoding("newest", 8, 100)
+    place(sched, older, 4, 0, 4)                    # a prefill, 4 of 8 computed: one block
+    place(sched, newest, 8, 1, 8)                   # a decode on two full blocks: its next token needs a third
+    plan = sched.schedule()
+    assert newest.status is Status.WAITING and planned(plan) == [("older", 4)]
+
+
+def test_nothing_is_admitted_in_a_step_that_preempted():
+    sched = Scheduler(BlockManager(4, 4, prefix_cache=False), max_num_seqs=8, chunk_size=None)
+    a, victim = decoding("a", 4), decoding("v", 4, 100)
+    place(sched, a, 4, 0, 4)                        # its next token needs a second block
+    place(sched, victim, 4, 1, 12)                  # three blocks: the pool is full
+    # After the preemption two blocks are free: enough for the victim again, or the newcomer.
+    waiting = seq("w", 2, 200)
+    sched.add(waiting)
+    plan = sched.schedule()
+    assert planned(plan) == [("a", 1)] and list(sched.waiting) == [victim, waiting]
