@@ -10,7 +10,8 @@ What it does:
    (+ an empty pdchat/__init__.py), tests/, and pyproject.toml with a [tool.mutmut] section.
    The repository has no pdchat/ folder (setuptools' package-dir maps it), and mutmut needs one.
 2. Runs `mutmut run --max-children 1` there (one worker by default, `--workers N` for more;
-   OMP/MKL threads 1: one worker leaves the second core of a 2-core machine free). mutmut copies the stage into stage/mutants/, puts that folder
+   OMP/MKL threads 1: one worker leaves the second core of a 2-core machine free). mutmut
+   copies the stage into stage/mutants/, puts that folder
    first on sys.path, and runs pytest in it, so `pdchat.engine` is imported from the mutated copy,
    not from the editable install in .venv (whose finder sits at the END of sys.meta_path).
    `--self-check` proves it: it plants a deliberately wrong line in the staged sampler and checks
@@ -312,13 +313,13 @@ def survivor_rows(results: dict[str, int]) -> list[tuple[str, str, str, dict | N
     return rows
 
 
-def summary_lines(version: str, wall_s: float | None, mods: dict[str, Counter], total: Counter,
+def summary_lines(version: str, wall_s: str | None, mods: dict[str, Counter], total: Counter,
                   rows: list) -> list[str]:
     out = ["# Mutation testing report\n",
-           f"- tool: mutmut {version} (`make mutation`, tools/mutation.py), one worker",
+           f"- tool: mutmut {version} (`make mutation`, tools/mutation.py)",
            f"- modules: {', '.join(MODULES)}",
            f"- tests: {', '.join(Path(t).name for t in TESTS)} (`-k \"{DESELECT}\"`)",
-           f"- wall time of the run: {wall_s:.0f} s" if wall_s is not None else "- wall time: (report only)",
+           f"- wall time of the last full run: {wall_s}" if wall_s is not None else "- wall time: (not recorded)",
            "",
            "| module | mutants | not checked | killed | timeout | survived | no tests | kill rate |",
            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -356,7 +357,7 @@ def survivor_lines(rows: list, unexplained: int) -> list[str]:
     return out
 
 
-def write_report(version: str, wall_s: float | None, min_rate: float) -> int:
+def write_report(version: str, wall_s: str | None, min_rate: float) -> int:
     """Write the report; 0 when the rate is met, every survivor explained and every mutant checked."""
     results = load_results()
     mods = tally(results)
@@ -393,7 +394,7 @@ def main() -> int:
         return self_check()
     if args.check:
         return check(args.check[0], args.check[1:] or TESTS)
-    wall = None
+    record = WORK / "wall_s"          # "<seconds> s with <n> worker(s)" of the last full run
     if args.rerun:
         sync_tests()
         run_mutmut(args.rerun, args.workers)
@@ -405,13 +406,12 @@ def main() -> int:
         t0 = time.monotonic()
         rc = run_mutmut([], args.workers)
         wall = time.monotonic() - t0
-        if args.resume and (WORK / "wall_s").exists():
-            wall += float((WORK / "wall_s").read_text())       # the interrupted part counts too
-        (WORK / "wall_s").write_text(f"{wall:.0f}\n")
+        if args.resume and record.exists():
+            wall += float(record.read_text().split()[0])          # the interrupted part counts too
+        record.write_text(f"{wall:.0f} s with {args.workers} worker(s)\n")
         if rc != 0:
             print(f"mutmut exited with {rc}", file=sys.stderr)
-    if wall is None and (WORK / "wall_s").exists():
-        wall = float((WORK / "wall_s").read_text())
+    wall = record.read_text().strip() if record.exists() else None
     return write_report(version, wall, args.min_rate)
 
 
