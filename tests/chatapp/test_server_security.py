@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from pdchat.chatapp.serve import protocol
+from pdchat.chatapp.serve import app as serve_app, protocol
 from pdchat.chatapp.serve.app import MAX_CHARS_PER_TOKEN, create_app
 from pdchat.chatapp.serve.auth import load_keys
 from pdchat.chatapp.serve.options import ServeError, ServeOptions
@@ -243,9 +243,9 @@ def test_an_unexpected_error_is_a_json_500_and_the_server_carries_on(server, htt
 
 
 def test_an_unexpected_error_mid_stream_ends_it_with_an_error_event(server, http, monkeypatch):
-    def broken(completion):
+    def broken(completion, closing):
         raise RuntimeError("a bug")
-    monkeypatch.setattr(server[1], "_raise_for", broken)           # runs once the request has finished
+    monkeypatch.setattr(serve_app, "completion_error", broken)           # runs once the request has finished
     with http.stream("POST", CHAT, json=ask(3, stream=True)) as r:
         assert r.status_code == 200
         events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
