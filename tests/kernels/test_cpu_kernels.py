@@ -92,13 +92,18 @@ def test_rope_on_views_of_a_fused_projection(ops, heads, kv_heads, head_dim, T):
     q = qkv[:, : heads * head_dim].view(T, heads, head_dim)
     k = qkv[:, heads * head_dim: (heads + kv_heads) * head_dim].view(T, kv_heads, head_dim)
     v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
-    angles = rand(T, head_dim // 2, seed=1)
+    check_rope(ops, q, k, seed=1)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)   # v untouched
+
+
+def check_rope(ops, q: torch.Tensor, k: torch.Tensor, seed: int) -> None:
+    """ops.rope in place on q and k against the reference, at random angles."""
+    angles = rand(q.shape[0], q.shape[2] // 2, seed=seed)
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     want_q, want_k = reference.rope(q.clone(), k.clone(), cos, sin)
     got_q, got_k = ops.rope(q, k, cos, sin)
     torch.testing.assert_close(got_q, want_q, **TOL)
     torch.testing.assert_close(got_k, want_k, **TOL)
-    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)   # v untouched
 
 
 @pytest.mark.parametrize("T", [3, 20])
@@ -121,13 +126,7 @@ def test_prefill_sized_elementwise_runs_split_over_threads_alike(ops):
     gate_up = rand(T, 2 * D) * 4
     torch.testing.assert_close(ops.silu_mul(gate_up), reference.silu_mul(gate_up), **TOL)
     heads, kv_heads, head_dim = 32, 8, 128
-    q, k = rand(T, heads, head_dim, seed=3), rand(T, kv_heads, head_dim, seed=4)
-    angles = rand(T, head_dim // 2, seed=5)
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    want_q, want_k = reference.rope(q.clone(), k.clone(), cos, sin)
-    got_q, got_k = ops.rope(q, k, cos, sin)
-    torch.testing.assert_close(got_q, want_q, **TOL)
-    torch.testing.assert_close(got_k, want_k, **TOL)
+    check_rope(ops, rand(T, heads, head_dim, seed=3), rand(T, kv_heads, head_dim, seed=4), seed=5)
 
 
 def test_store_kv_skips_padding_slots_and_reads_strided_rows(ops):
