@@ -102,6 +102,7 @@ class EngineStats:
     process_cpu_pct: float | None = None      # this process (all threads), on the same scale
     rss_bytes: int | None = None
     weight_bytes: int = 0             # weight bytes one decode step reads (int8 when active)
+    model_bytes: int = 0              # what the model holds in memory (int8 copies included)
     quant: str = "none"
     kernels: str = "torch"            # the kernel backend in use: torch | triton | cpu
     spec: str = "off"
@@ -148,7 +149,8 @@ def collect_stats(engine: "Engine") -> EngineStats:
         kv_bytes_total=b.num_blocks * bs * bpt, running=len(engine.scheduler.running),
         waiting=len(engine.scheduler.waiting), step_ms=meter.step_ms, step_prefill_tokens=meter.prefill_tokens,
         step_decode_tokens=meter.decode_tokens, prefix_hit_rate=b.hit_rate, device=str(engine.device),
-        weight_bytes=engine.precision.read_bytes, quant=cfg.quant, kernels=engine.ops.name,
+        weight_bytes=engine.precision.read_bytes, model_bytes=engine.precision.resident_bytes,
+        quant=cfg.quant, kernels=engine.ops.name,
         prefix_cache=cfg.prefix_cache, kv_cache=cfg.kv_cache, chunk_size=cfg.chunk_size,
         max_num_seqs=cfg.max_num_seqs, spec=cfg.spec, spec_tokens=cfg.spec_tokens,
         achieved_bandwidth=meter.bandwidth,

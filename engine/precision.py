@@ -19,6 +19,7 @@ class WeightPrecision:
         self.device = device
         self.dtype = dtype
         self.read_bytes = quant.decode_read_bytes(loaded.model, loaded.quant)   # per decode step
+        self.resident_bytes = quant.resident_bytes(loaded.model)                # held in memory
 
     @property
     def switch(self) -> quant.QuantSwitch:
@@ -35,6 +36,7 @@ class WeightPrecision:
             quant.prepare(model)
             if cache is not None:
                 quant.save(model, cache)
+        self.resident_bytes = quant.resident_bytes(model)
         return True
 
     def set(self, mode: str, notices: list[str]) -> str:

@@ -156,6 +156,19 @@ def load(model: nn.Module, path) -> bool:
     return True
 
 
+def resident_bytes(model: nn.Module) -> int:
+    """Bytes the model holds in memory: every parameter and buffer once (tied ones once), the int8
+    copies beside the full-precision weights included."""
+    seen: set[int] = set()
+    total = 0
+    for t in (*model.parameters(), *model.buffers()):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
 def decode_read_bytes(model: nn.Module, switch: QuantSwitch) -> int:
     """Weight bytes one decode step reads: every linear layer (int8 copy when active), the norms;
     the embedding contributes one row per token, which is negligible."""

@@ -45,7 +45,9 @@ async def test_cpu_device_shows_the_machine_and_pdchat_apart(make_app, size):
         assert row(app, "machine CPU") == "38%"
         assert row(app, "pdchat CPU") == "30% of machine"
         assert row(app, "pdchat RSS") == "812.0 MB"
-        assert row(app, "weights") == "269.0 MB"
+        # what the RSS holds: 538 MB of model, 1,024 blocks x 16 tokens x 9,216 B of KV, the rest
+        assert (row(app, "  model"), row(app, "  KV pool"), row(app, "  other")) == ("538.0 MB", "144.0 MB", "130.0 MB")
+        assert row(app, "weights/step") == "269.0 MB"
         assert "machine busy" not in str(device(app).render())
 
 
@@ -59,6 +61,10 @@ async def test_gpu_device_adds_the_machine_cpu_under_the_gpu(make_app, size):
         assert (row(app, "GPU util"), row(app, "machine CPU"), row(app, "pdchat CPU")) == \
             ("87%", "12%", "10% of machine")
         assert row(app, "pdchat RSS") == "2.0 GB"
+        labels = [line[:13].rstrip() for line in lines(app)]
+        # the model and the pool sit in GPU memory: under it, and no "other" share of the RSS
+        assert labels.index("  model") == labels.index("power") - 2 == labels.index("  KV pool") - 1
+        assert (row(app, "  model"), row(app, "  KV pool"), row(app, "  other")) == ("538.0 MB", "144.0 MB", None)
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -78,7 +84,7 @@ async def test_busy_machine_warns_after_a_few_seconds_and_clears(make_app, size)
         assert lines(app)[-2] == "machine busy: others 30%"
         app.backend.cpu_util_pct = 35.0
         refresh(app, 1.0)
-        assert lines(app)[-1] == "weights      269.0 MB"
+        assert lines(app)[-1] == "weights/step 269.0 MB"
 
 
 async def test_no_warning_without_pdchats_own_figure(make_app):
@@ -103,7 +109,7 @@ async def test_device_history_fills_the_section_without_wrapping(make_app, size)
             refresh(app, 0.25)
         spark = lines(app)[2]
         width = device(app).size.width
-        assert len(lines(app)) == 6 and spark.strip()
+        assert len(lines(app)) == 9 and spark.strip()
         assert cell_len(spark) == width - 1                 # the history as wide as the section allows
         assert all(cell_len(line) <= width for line in lines(app))
 

@@ -238,7 +238,7 @@ class FakeBackend(Backend):
             "step_ms": 32.0 if self.running else None, "step_prefill_tokens": 0,
             "step_decode_tokens": self.running, "prefix_hit_rate": 0.25,
             "prefix_cache": self.toggles["prefix_cache"], "kv_cache": self.toggles["kv_cache"],
-            "chunk_size": self.toggles["chunk_size"], "weight_bytes": 269 * MB,
+            "chunk_size": self.toggles["chunk_size"], "weight_bytes": 269 * MB, "model_bytes": 538 * MB,
         }
         if self.gpu:
             s.update(device="cuda:0", device_name="NVIDIA H100 80GB HBM3", device_util_pct=87.0,

@@ -72,3 +72,19 @@ def test_closed_engines_give_their_memory_back(options):
     # before and after the engine was split), so the bound is half a model, not a quarter.
     assert max(after) < size / 2, (f"after each load/close the process had grown by "
                                    f"{[round(a / 2**20) for a in after]} MB (one model: {size / 2**20:.0f} MB)")
+
+
+def test_stats_say_what_the_model_holds_with_and_without_int8_copies():
+    with Engine(model="random:tiny", device="cpu", telemetry=False) as engine:
+        model = engine.precision.loaded.model
+        params = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+        buffers = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in model.buffers()}
+        full = sum({**params, **buffers}.values())
+        assert engine.stats().model_bytes == full > 0
+        engine.update(quant="int8")
+        s = engine.stats()
+        copies = sum(m.qweight.numel() + m.scales.numel() * 4 for m in model.modules() if getattr(m, "qweight", None)
+                     is not None)
+        assert copies > 0 and s.model_bytes == full + copies     # int8 copies beside the fp32 weights
+        engine.update(quant="none")
+        assert engine.stats().model_bytes == full + copies       # kept: switching back costs no reload

@@ -172,6 +172,17 @@ def spec_text(last: dict | None, caps: dict, toggles: dict) -> Text:
     return t
 
 
+def memory_rows(t: Text, s: dict, host: bool) -> None:
+    """What the memory above holds: the model (its int8 copies included) and the KV pool, and on
+    a CPU the rest of the process (activations, buffers, Python, libraries)."""
+    model, kv, rss = s.get("model_bytes"), s.get("kv_bytes_total"), s.get("rss_bytes")
+    row(t, "  model", fmt.size(model or None))
+    row(t, "  KV pool", fmt.size(kv or None))
+    if host:
+        other = rss - model - kv if rss and model and kv and rss >= model + kv else None
+        row(t, "  other", fmt.size(other))
+
+
 class DeviceSection:
     """The device's use with its recent history, the machine's CPU beside pdchat's own, and the
     machine-busy warning: the one section with state between refreshes."""
@@ -200,12 +211,15 @@ class DeviceSection:
         if gpu:
             row(t, "memory", f"{fmt.size(s.get('device_mem_used'))} / {fmt.size(s.get('device_mem_total'))}",
                  width=w)
+            memory_rows(t, s, host=False)
             p = s.get("device_power_w")
             row(t, "power", fmt.NA if p is None else f"{p:,.0f} W")
             row(t, "machine CPU", fmt.pct(machine))
         row(t, "pdchat CPU", fmt.NA if own is None else f"{fmt.pct(own)} of machine")
         row(t, "pdchat RSS", fmt.size(s.get("rss_bytes")))
-        t.append(f"{'weights':<13}", style="dim")
+        if not gpu:
+            memory_rows(t, s, host=True)
+        t.append(f"{'weights/step':<13}", style="dim")
         t.append(fmt.size(s.get("weight_bytes")))
         others = self.machine_busy.update(now, machine, own)
         if others is not None:
