@@ -2,6 +2,10 @@
 conftest.py), on the strided views and ragged batches the engine feeds them."""
 from __future__ import annotations
 
+import platform
+import shutil
+import subprocess
+
 import pytest
 import torch
 
@@ -283,3 +287,29 @@ def test_a_forked_child_computes_without_the_parents_workers(ops):
         time.sleep(0.05)
     os.kill(pid, 9)
     raise AssertionError("the forked child hung in a product")
+
+
+X86_TARGETS = {"avx2": ["-mavx2", "-mfma"], "avx-vnni": ["-mavx2", "-mfma", "-mavxvnni"],
+               "avx512-vnni": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vnni"]}
+
+
+@pytest.mark.parametrize("path", list(X86_TARGETS))
+def test_every_x86_int8_path_compiles_even_where_this_cpu_cannot_run_it(tmp_path, path):
+    """Built for a generic x86-64 plus the path's instructions and disassembled, not run: a CPU
+    without them would stop on the first one."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("x86-64 paths: this is not an x86-64 machine")
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    flags = [f for f in cpu.FLAGS if f != "-march=native"]
+    code = [p.name for p in cpu.INT8_PATHS].index(path)
+    out = tmp_path / f"{path}.so"
+    done = subprocess.run([cc, *flags, "-march=x86-64", *X86_TARGETS[path], f"-DPDCHAT_INT8_PATH={code}",
+                           str(cpu.SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True, timeout=300)
+    if done.returncode != 0 and "unrecognized" in done.stderr:
+        pytest.skip(f"{cc} does not know {' '.join(X86_TARGETS[path])}")
+    assert done.returncode == 0, done.stderr[-1500:]
+    if shutil.which("objdump"):
+        asm = subprocess.run(["objdump", "-d", str(out)], capture_output=True, text=True).stdout
+        assert ("vpdpbusd" if "vnni" in path else "vpmaddubsw") in asm      # the path's own instruction
