@@ -2,13 +2,16 @@
  * tests/kernels/test_arm_kernels.py can check an aarch64 build under qemu-user against the PyTorch
  * reference on the host. Built with -I kernels: this one translation unit includes the kernels.
  *
- * Input: int32 job count, then per job an int32 op code, four int32 dims and the op's arrays
- * (float32, or uint8 for int8 weights) in the order read below. Output: int32 pd_int8_path(),
- * then each job's results as float32 arrays in the order written below. */
+ * Input (little-endian): int32 job count, then per job an int32 op code (OP_* below), DIMS int32
+ * dimensions (unused ones 0) and the op's arrays, each contiguous, in the order `run` reads them:
+ * float32, uint8 for int8 weights, int32 for attention's batch layout. Output: int32
+ * pd_int8_path(), then each job's results as float32 arrays in the order `run` writes them.
+ * Every kernel gets THREADS threads, so the worker pool runs wherever a kernel splits its work. */
 #include <stdio.h>
 #include "cpu_kernels.c"
 
-enum { OP_LINEAR_U8 = 1, OP_LINEAR_F32, OP_RMS_NORM, OP_ADD_RMS_NORM, OP_SILU_MUL, OP_ROPE, OP_DECODE_ATTENTION };
+enum { OP_LINEAR_U8 = 1, OP_LINEAR_F32, OP_RMS_NORM, OP_ADD_RMS_NORM, OP_SILU_MUL, OP_ROPE, OP_ATTENTION };
+#define DIMS 7
 #define THREADS 2
 #define EPS 1e-5f
 
@@ -25,19 +28,20 @@ static void *take(size_t bytes) {
 
 static float *floats(size_t n) { return take(n * sizeof(float)); }
 
+static int32_t *ints(size_t n) { return take(n * sizeof(int32_t)); }
+
 static void put(const float *p, size_t n) { fwrite(p, sizeof(float), n, out); }
 
-/* One decode query per head against `len` cached keys in blocks of `bs` (block i of the table is i). */
-static void decode_attention(int H, int KVH, int D, int len) {
-    const int bs = 4, nb = (len + bs - 1) / bs;
-    float *q = floats((size_t)H * D), *k = floats((size_t)nb * bs * KVH * D), *v = floats((size_t)nb * bs * KVH * D);
-    int32_t *table = malloc(sizeof(int32_t) * nb), cu_q[2] = {0, 1}, ctx[1] = {len};
-    for (int i = 0; i < nb; i++) table[i] = i;
-    float *o = malloc(sizeof(float) * H * D);
-    pd_paged_attention(q, (int64_t)H * D, k, v, table, nb, cu_q, ctx, 1, H, KVH, D, bs, 1.f / sqrtf((float)D), o,
-                       THREADS);
-    put(o, (size_t)H * D);
-    free(q), free(k), free(v), free(table), free(o);
+/* A ragged batch of S sequences (query_start_loc, context lengths, block tables) over a paged cache
+ * of `blocks` blocks of `bs` positions; q is contiguous [T, H, D]. */
+static void attention(int S, int H, int KVH, int D, int bs, int blocks, int max_blocks) {
+    int32_t *cu_q = ints(S + 1), *ctx = ints(S), *tables = ints((size_t)S * max_blocks);
+    size_t T = cu_q[S], cache = (size_t)blocks * bs * KVH * D;
+    float *q = floats(T * H * D), *k = floats(cache), *v = floats(cache), *o = malloc(sizeof(float) * T * H * D);
+    pd_paged_attention(q, (int64_t)H * D, k, v, tables, max_blocks, cu_q, ctx, S, H, KVH, D, bs,
+                       1.f / sqrtf((float)D), o, THREADS);
+    put(o, T * H * D);
+    free(cu_q), free(ctx), free(tables), free(q), free(k), free(v), free(o);
 }
 
 static void run(int op, const int *d) {
@@ -56,7 +60,7 @@ static void run(int op, const int *d) {
         float *w = floats(D), *o = malloc(sizeof(float) * T * D);
         if (delta) pd_add_rms_norm(x, delta, w, o, T, D, EPS, THREADS);
         else pd_rms_norm(x, w, o, T, D, EPS, THREADS);
-        if (delta) put(x, (size_t)T * D);
+        if (delta) put(x, (size_t)T * D);         /* the residual sum, in place */
         put(o, (size_t)T * D);
         free(x), free(delta), free(w), free(o);
     } else if (op == OP_SILU_MUL) {
@@ -73,8 +77,8 @@ static void run(int op, const int *d) {
         put(q, (size_t)T * H * D);
         put(k, (size_t)T * KVH * D);
         free(q), free(k), free(c), free(s);
-    } else if (op == OP_DECODE_ATTENTION) {
-        decode_attention(d[0], d[1], d[2], d[3]);
+    } else if (op == OP_ATTENTION) {
+        attention(d[0], d[1], d[2], d[3], d[4], d[5], d[6]);
     } else {
         fprintf(stderr, "arm_driver: unknown op %d\n", op);
         exit(2);
@@ -90,8 +94,8 @@ int main(int argc, char **argv) {
     fwrite(&path, sizeof path, 1, out);
     if (fread(&jobs, sizeof jobs, 1, in) != 1) return 2;
     for (int j = 0; j < jobs; j++) {
-        int32_t head[5];
-        if (fread(head, sizeof(int32_t), 5, in) != 5) return 2;
+        int32_t head[1 + DIMS];
+        if (fread(head, sizeof(int32_t), 1 + DIMS, in) != 1 + DIMS) return 2;
         run(head[0], head + 1);
     }
     return fclose(out) == 0 ? 0 : 1;
