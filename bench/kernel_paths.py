@@ -21,11 +21,6 @@ from pdchat.bench import median, ratio
 CALLS_PER_SAMPLE = 20         # decode steps' worth of products per timing
 
 
-def runnable_paths() -> list[cpu.Int8Path]:
-    flags = cpu.cpu_flags()
-    return [p for p in cpu.INT8_PATHS if all(f in flags for f in p.cpu_flags)]
-
-
 def _step_ms(products: Callable[[], None]) -> float:
     t0 = time.perf_counter()
     for _ in range(CALLS_PER_SAMPLE):
@@ -41,8 +36,9 @@ def section(engine: Any, rounds: int) -> dict[str, Any]:
     layers = [m for m in engine.loaded.model.modules() if isinstance(m, QuantLinear)]
     if not layers or any(m.qweight is None or m.qweight.dtype != torch.uint8 for m in layers):
         return {"reason": "no int8 weights packed for the C kernels (int8 not run, or other kernels)"}
+    runnable = cpu.runnable_int8_paths()
     builds = {}
-    for p in runnable_paths():
+    for p in runnable:
         try:
             builds[p.title] = cpu.CpuKernels(cpu.library(paths.cache_dir(), int8=p.name))
         except cpu.KernelsUnavailable as e:
@@ -67,4 +63,4 @@ def section(engine: Any, rounds: int) -> dict[str, Any]:
             for name, s in samples.items()]
     return {"rows": rows, "engine_uses": cpu.int8_path(cpu.library(paths.cache_dir())).title,
             "not_built": "; ".join(f"{t}: {e}" for t, e in builds.items() if t not in ready) or None,
-            "not_on_this_cpu": ", ".join(p.title for p in cpu.INT8_PATHS if p not in runnable_paths()) or None}
+            "not_on_this_cpu": ", ".join(p.title for p in cpu.INT8_PATHS if p not in runnable) or None}

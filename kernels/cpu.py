@@ -27,9 +27,10 @@ from . import reference
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 HEADERS = (Path(__file__).with_name("cpu_pool.h"),)
-# -fopenmp-simd: the `omp simd` pragmas without the OpenMP runtime (threads are the C pool's; macOS's
-# clang has no -fopenmp).
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC")
+# What the code needs whatever it is built for. -fopenmp-simd: the `omp simd` pragmas without the
+# OpenMP runtime (threads are the C pool's; macOS's clang has no -fopenmp).
+CODE_FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno")
+FLAGS = (*CODE_FLAGS, "-march=native", "-shared", "-fPIC")      # the library for this machine
 LINEAR_MAX_ROWS = 40       # above this BLAS's matrix-matrix products win (measured, README)
 QBLOCK = 64                # activation quantization block of the int8 product (cpu_kernels.c)
 
@@ -71,6 +72,31 @@ def int8_path(lib: ctypes.CDLL) -> Int8Path:
     return INT8_PATHS[lib.pd_int8_path()]
 
 
+def int8_define(name: str) -> str:
+    """The compiler flag that forces int8 path `name` (an INT8_PATHS name)."""
+    return f"-DPDCHAT_INT8_PATH={[p.name for p in INT8_PATHS].index(name)}"
+
+
+def missing_flags(path: Int8Path) -> list[str]:
+    """The CPU features path needs that this CPU lacks (none: it can run here)."""
+    have = cpu_flags()
+    return [f for f in path.cpu_flags if f not in have]
+
+
+def runnable_int8_paths() -> list[Int8Path]:
+    """The int8 paths this CPU can run, the build's choice last."""
+    return [p for p in INT8_PATHS if not missing_flags(p)]
+
+
+def compiler() -> str:
+    """The C compiler: $CC, else cc or gcc. Raises KernelsUnavailable when there is none."""
+    wanted = os.environ.get("CC")
+    found = shutil.which(wanted) if wanted else shutil.which("cc") or shutil.which("gcc")
+    if found is None:
+        raise KernelsUnavailable(f"no C compiler found ({'CC=' + wanted if wanted else 'install gcc, or set CC'})")
+    return found
+
+
 def cpu_flags() -> set[str]:
     """The CPU's feature flags as the OS lists them (empty where it does not say)."""
     line = _cpu_identity()
@@ -91,16 +117,12 @@ def _cpu_identity() -> str:
 def build(cache_dir: Path, int8: str | None = None) -> Path:
     """Compile the kernels for this machine (once; the file name carries a hash of everything that
     matters). int8: force that int8 path (an INT8_PATHS name) instead of the best one."""
-    wanted = os.environ.get("CC")
-    compiler = shutil.which(wanted) if wanted else shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise KernelsUnavailable(f"no C compiler found ({'CC=' + wanted if wanted else 'install gcc, or set CC'})")
-    forced = [p.name for p in INT8_PATHS].index(int8) if int8 is not None else None
-    flags = [*FLAGS, *([f"-DPDCHAT_INT8_PATH={forced}"] if forced is not None else [])]
+    cc = compiler()
+    flags = [*FLAGS, *([int8_define(int8)] if int8 is not None else [])]
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
-        raise KernelsUnavailable(f"C compiler {compiler} does not run: {e}") from e
+        raise KernelsUnavailable(f"C compiler {cc} does not run: {e}") from e
     sources = [f.read_text() for f in (SOURCE, *HEADERS)]
     key = hashlib.sha1("\0".join([*sources, version, *flags, _cpu_identity()]).encode()).hexdigest()
     out = cache_dir / "kernels" / f"cpu_kernels-{key[:16]}.so"
@@ -110,7 +132,7 @@ def build(cache_dir: Path, int8: str | None = None) -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         partial = Path(tmp) / out.name
         try:
-            done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(partial), "-lm"],
+            done = subprocess.run([cc, *flags, str(SOURCE), "-o", str(partial), "-lm"],
                                   capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.SubprocessError) as e:
             raise KernelsUnavailable(f"building the CPU kernels failed: {e}") from e

@@ -6,7 +6,6 @@ The C kernels are tested in every variant this CPU can run; the summary at the e
 says which variants were built and tested here and why the others were not.
 """
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,16 +22,6 @@ def record_variant(name: str, outcome: str) -> None:
     _outcome[name] = outcome
 
 
-def _cpu() -> tuple[str, set[str]]:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return "unknown CPU", set()
-    model = next((l.split(":", 1)[1].strip() for l in lines if l.startswith("model name")), "unknown CPU")
-    flags = next((set(l.split(":", 1)[1].split()) for l in lines if l.startswith(("flags", "Features"))), set())
-    return model, flags
-
-
 def _variants() -> list[str]:
     from pdchat.kernels.cpu import INT8_PATHS
     return [p.name for p in INT8_PATHS]
@@ -44,7 +33,7 @@ def ops(request, tmp_path_factory):
     visibly (the portable path runs everywhere)."""
     from pdchat.kernels import cpu
     path = next(p for p in cpu.INT8_PATHS if p.name == request.param)
-    missing = [f for f in path.cpu_flags if f not in _cpu()[1]]
+    missing = cpu.missing_flags(path)
     if missing:
         _outcome.setdefault(path.name, f"not run: this CPU has no {' '.join(missing)}")
         pytest.skip(f"{path.name} kernels: this CPU has no {' '.join(missing)}, so they are neither compiled nor run here")
@@ -61,8 +50,10 @@ def ops(request, tmp_path_factory):
 def pytest_terminal_summary(terminalreporter):
     if not _outcome:
         return
-    model, flags = _cpu()
-    simd = " ".join(sorted(f for f in flags if f.startswith(("avx", "fma", "asimd", "neon", "sve")))) or "none"
+    from pdchat.engine.telemetry import cpu_model_name
+    from pdchat.kernels.cpu import cpu_flags
+    model = cpu_model_name() or "unknown CPU"
+    simd = " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "fma", "asimd", "neon", "sve")))) or "none"
     terminalreporter.write_line(f"CPU kernel variants on {model} (SIMD flags: {simd}):")
     for name in _variants():
         terminalreporter.write_line(f"  {name:12s} {_outcome.get(name, 'not run: no test used it')}")

@@ -129,10 +129,9 @@ def build(tmp: Path, int8: str | None) -> Path:
         reason = f"needs the Debian package{'s' * (len(missing) > 1)} {' and '.join(missing)}"
         record_variant("neon-dot", f"not run under qemu-aarch64: {reason}")
         pytest.skip(f"aarch64 kernels: {reason}")
-    flags = [f for f in cpu.FLAGS if f not in ("-march=native", "-shared", "-fPIC")]
-    forced = [f"-DPDCHAT_INT8_PATH={[p.name for p in cpu.INT8_PATHS].index(int8)}"] if int8 else []
+    forced = [cpu.int8_define(int8)] if int8 else []
     exe = tmp / "arm_driver"
-    done = subprocess.run([CC, *flags, "-march=armv8.2-a+dotprod", "-static", *forced, f"-I{cpu.SOURCE.parent}",
+    done = subprocess.run([CC, *cpu.CODE_FLAGS, "-march=armv8.2-a+dotprod", "-static", *forced, f"-I{cpu.SOURCE.parent}",
                            str(DRIVER), "-o", str(exe), "-lm", "-lpthread"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     return exe
