@@ -149,6 +149,8 @@ _SIGNATURES = {
     "pd_int8_path": ([], _I),
     "pd_linear_f32": ([_P, _P, _P, _P, _I, _I, _I, _I], None),
     "pd_linear_u8": ([_P, _P, _P, _P, _P, _I, _I, _I, _I], _I),
+    "pd_linear_q4": ([_P, _P, _P, _P, _P, _I, _I, _I, _I], _I),
+    "pd_unpack_q4": ([_P, _P, _P, _I, _I, _I], None),
     "pd_rms_norm": ([_P, _P, _P, _I, _I, _F, _I], None),
     "pd_add_rms_norm": ([_P, _P, _P, _P, _I, _I, _F, _I], None),
     "pd_rope": ([_P, _L, _I, _P, _L, _I, _P, _P, _I, _I, _I], None),
@@ -250,6 +252,27 @@ class CpuKernels:
             raise MemoryError("int8 matmul: out of memory for the quantized activations")
         return y
 
+    def linear_int4(self, x: torch.Tensor, packed: torch.Tensor, params: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not self._ok(x, bias) or packed.device.type != "cpu" or params.dtype != torch.bfloat16:
+            return reference.linear_int4(x, packed, params, bias)
+        N, K = packed.shape[0], packed.shape[1] * 2
+        if x.shape[0] > LINEAR_MAX_ROWS:
+            # As for int8: BLAS on weights unpacked for this call (in C, on the pool: torch's
+            # element-wise unpacking took longer than the product).
+            weight = x.new_empty(N, K)
+            self.lib.pd_unpack_q4(packed.data_ptr(), params.data_ptr(), weight.data_ptr(), N, K,
+                                  torch.get_num_threads())
+            return F.linear(x, weight, bias)
+        x = x.contiguous()
+        y = x.new_empty(x.shape[0], N)
+        status = self.lib.pd_linear_q4(x.data_ptr(), packed.data_ptr(), params.data_ptr(),
+                                       bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                       x.shape[0], N, K, torch.get_num_threads())
+        if status != 0:
+            raise MemoryError("int4 matmul: out of memory for the quantized activations")
+        return y
+
     @staticmethod
     def int8_supported(device: torch.device) -> bool:
         return device.type == "cpu" or reference.int8_supported(device)
@@ -295,9 +318,15 @@ class CpuKernels:
     def prepare_layers(self, layers: list, num_heads: int, num_kv_heads: int, head_dim: int,
                        eps: float) -> LayerPlan | None:
         """The pointer table of pd_layers (PTRS_PER_LAYER per layer, in model.LayerWeights order), or
-        None where the C code does not cover the weights (not fp32, or int8 not packed as u8)."""
+        None where the C code does not cover the weights (not fp32, int8 not packed as u8)."""
         first = layers[0]
-        dims = (len(layers), first.norm_mlp.shape[0], num_heads, num_kv_heads, head_dim, first.down[0].shape[1])
+        # pd_layers' format of the quantized weights (PD_WEIGHTS_*): int8 (a scale per row, 1-D) or
+        # int4 (bf16 params per group, 3-D); a linear without scales is fp32 whatever the others are.
+        linears = (first.qkv, first.o, first.gate_up, first.down)
+        int4 = [w[1] is not None and w[1].dim() == 3 for w in linears]
+        fmt = 2 if any(int4) else 1 if any(w[1] is not None for w in linears) else 0
+        inter = first.down[0].shape[1] * (2 if int4[3] else 1)
+        dims = (len(layers), first.norm_mlp.shape[0], num_heads, num_kv_heads, head_dim, inter, fmt)
         tensors: list[torch.Tensor] = []
         ptrs: list[int | None] = []
         for layer in layers:
@@ -307,13 +336,14 @@ class CpuKernels:
                         ptrs.append(None)
                         continue
                     packed = t.dtype == torch.uint8 and t.dim() == 2
-                    if not ((packed or t.dtype == torch.float32) and t.is_cpu and t.is_contiguous()):
+                    int4_params = t.dtype == torch.bfloat16 and t.dim() == 3
+                    if not ((packed or int4_params or t.dtype == torch.float32) and t.is_cpu and t.is_contiguous()):
                         return None
                     tensors.append(t)
                     ptrs.append(t.data_ptr())
         if len(ptrs) != PTRS_PER_LAYER * len(layers):    # the C side reads a fixed table
             raise ValueError(f"pd_layers takes {PTRS_PER_LAYER} tensors per layer, got {len(ptrs) // len(layers)}")
-        return LayerPlan((ctypes.c_int * 6)(*dims), eps, (ctypes.c_void_p * len(ptrs))(*ptrs), tuple(tensors),
+        return LayerPlan((ctypes.c_int * 7)(*dims), eps, (ctypes.c_void_p * len(ptrs))(*ptrs), tuple(tensors),
                          head_dim)
 
     def run_layers(self, plan: LayerPlan | None, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor,

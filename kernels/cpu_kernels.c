@@ -166,6 +166,14 @@ void pd_linear_f32(const float *x, const float *w, const float *bias, float *y, 
  * corr[m] = 128 * sum_b s_b * (sum(hi_b) + sum(lo_b) / 254) undoes the +128 offset of the weights
  * where the dot product sees it (PD_INT8_OFFSET), else 0. */
 #define LO_SCALE 254.f
+/* The int8 scale of n values, s = max|x| / 127; returns 1 / s (0 for an all-zero block). */
+static inline float block_scale(const float *p, int n, float *s) {
+    float amax = 0.f;
+    for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(p[i]));
+    *s = amax / 127.f;
+    return amax > 0.f ? 127.f / amax : 0.f;
+}
+
 static void quantize_rows(const float *x, int M, int K, int8_t *hi, int8_t *lo, float *xs, float *corr) {
     int nb = K / QBLOCK;
     for (int m = 0; m < M; m++) {
@@ -173,9 +181,7 @@ static void quantize_rows(const float *x, int M, int K, int8_t *hi, int8_t *lo, 
         for (int b = 0; b < nb; b++) {
             int64_t at = (int64_t)m * K + b * QBLOCK;
             const float *p = x + at;
-            float amax = 0.f;
-            for (int i = 0; i < QBLOCK; i++) amax = fmaxf(amax, fabsf(p[i]));
-            float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+            float s, inv = block_scale(p, QBLOCK, &s);
             int sum_hi = 0, sum_lo = 0;
             for (int i = 0; i < QBLOCK; i++) {
                 float v = p[i] * inv;
@@ -318,6 +324,190 @@ int pd_linear_u8(const float *x, const uint8_t *w, const float *scales, const fl
     struct u8_job job = {w, scales, bias, xs, corr, hi, lo, y, M, N, K};
     parallel_rows(u8_rows, &job, N, row_chunk(N, threads), threads);
     free(hi);
+    free(xs);
+    return 0;
+}
+
+/* ---- 4-bit weights: y[M, N] = x[M, K] @ w^T + bias -------------------------------------------
+ * Groups of 32 weights of a row, each w = d * u + m with u in 0..15 (asymmetric: a group's range
+ * need not be centred on zero), d and m in bf16 (a shift makes them fp32). Storage: u two to a
+ * byte, 16 bytes a group, byte i holding weight i in its low nibble and weight 16 + i in its high
+ * one (one load, an AND and a shift give the group in order); params[n, g] = (d, m).
+ * Activations are quantized to int8 in blocks of 32, one part only (the weights' 4-bit error
+ * dwarfs the activations'): x ~= xs * xq. Then per group
+ *   <w, x> = d * xs * <u, xq> + m * xs * sum(xq)
+ * where <u, xq> is exact integer arithmetic on every path (u is a valid byte signed or unsigned;
+ * maddubs pairs reach 2 * 15 * 127, inside its int16) and xs * sum(xq) is computed once per block. */
+#define Q4_GROUP 32
+#define Q4_GROUP_BYTES (Q4_GROUP / 2)
+
+static inline float bf16_to_f32(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* x -> int8 blocks of 32, q, with their scales xs and xs * sum(q) (xsum). */
+static void quantize_q4_blocks(const float *x, int M, int K, int8_t *q, float *xs, float *xsum) {
+    int ng = K / Q4_GROUP;
+    for (int m = 0; m < M; m++)
+        for (int g = 0; g < ng; g++) {
+            int64_t at = (int64_t)m * K + g * Q4_GROUP;
+            float s, inv = block_scale(x + at, Q4_GROUP, &s);
+            int sum = 0;
+            for (int i = 0; i < Q4_GROUP; i++) {
+                q[at + i] = (int8_t)lrintf(x[at + i] * inv);
+                sum += q[at + i];
+            }
+            xs[m * ng + g] = s;
+            xsum[m * ng + g] = s * (float)sum;
+        }
+}
+
+/* The dot product of one weight row (wr, its params pr) with one activation row, ng groups. */
+#if PDCHAT_INT8_PATH == PD_INT8_AVX512VNNI
+static inline float dot_q4_groups(const uint8_t *wr, const uint16_t *pr, const int8_t *x, const float *xs,
+                                  const float *xsum, int ng) {
+    const __m256i nibble = _mm256_set1_epi8(0x0f);
+    __m512 f = _mm512_setzero_ps();
+    float off = 0.f;
+    for (int g = 0; g < ng; g += 2) {          /* two groups (64 weights) per 512-bit product */
+        __m256i p = _mm256_loadu_si256((const __m256i *)(wr + g * Q4_GROUP_BYTES));
+        __m256i lo = _mm256_and_si256(p, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), nibble);
+        __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
+                                       _mm256_permute2x128_si256(lo, hi, 0x31), 1);
+        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(x + g * Q4_GROUP));
+        /* insertf64x4, not insertf32x8: the latter is AVX-512 DQ, which this path does not require */
+        __m512 scale = _mm512_castpd_ps(_mm512_insertf64x4(
+            _mm512_castps_pd(_mm512_set1_ps(bf16_to_f32(pr[2 * g]) * xs[g])),
+            _mm256_castps_pd(_mm256_set1_ps(bf16_to_f32(pr[2 * g + 2]) * xs[g + 1])), 1));
+        f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, f);
+        off += bf16_to_f32(pr[2 * g + 1]) * xsum[g] + bf16_to_f32(pr[2 * g + 3]) * xsum[g + 1];
+    }
+    return _mm512_reduce_add_ps(f) + off;
+}
+#elif PDCHAT_INT8_PATH == PD_INT8_AVXVNNI || PDCHAT_INT8_PATH == PD_INT8_AVX2
+static inline float dot_q4_groups(const uint8_t *wr, const uint16_t *pr, const int8_t *x, const float *xs,
+                                  const float *xsum, int ng) {
+    const __m128i nibble = _mm_set1_epi8(0x0f);
+    __m256 f = _mm256_setzero_ps();
+    float off = 0.f;
+    for (int g = 0; g < ng; g++) {
+        __m128i p = _mm_loadu_si128((const __m128i *)(wr + g * Q4_GROUP_BYTES));
+        __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), nibble), _mm_and_si128(p, nibble));
+        __m256i xq = _mm256_loadu_si256((const __m256i *)(x + g * Q4_GROUP));
+#if PDCHAT_INT8_PATH == PD_INT8_AVXVNNI
+        __m256i d = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, xq);
+#else
+        __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(u, xq), _mm256_set1_epi16(1));
+#endif
+        f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(bf16_to_f32(pr[2 * g]) * xs[g]), f);
+        off += bf16_to_f32(pr[2 * g + 1]) * xsum[g];
+    }
+    return sum8(f) + off;
+}
+#elif PDCHAT_INT8_PATH == PD_INT8_NEON_DOT
+static inline float dot_q4_groups(const uint8_t *wr, const uint16_t *pr, const int8_t *x, const float *xs,
+                                  const float *xsum, int ng) {
+    const uint8x16_t nibble = vdupq_n_u8(0x0f);
+    float32x4_t f = vdupq_n_f32(0.f);
+    float off = 0.f;
+    for (int g = 0; g < ng; g++) {
+        uint8x16_t p = vld1q_u8(wr + g * Q4_GROUP_BYTES);
+        const int8_t *xg = x + g * Q4_GROUP;
+        int32x4_t d = vdotq_s32(vdupq_n_s32(0), vreinterpretq_s8_u8(vandq_u8(p, nibble)), vld1q_s8(xg));
+        d = vdotq_s32(d, vreinterpretq_s8_u8(vshrq_n_u8(p, 4)), vld1q_s8(xg + 16));
+        f = vfmaq_n_f32(f, vcvtq_f32_s32(d), bf16_to_f32(pr[2 * g]) * xs[g]);
+        off += bf16_to_f32(pr[2 * g + 1]) * xsum[g];
+    }
+    return vaddvq_f32(f) + off;
+}
+#else
+static inline float dot_q4_groups(const uint8_t *wr, const uint16_t *pr, const int8_t *x, const float *xs,
+                                  const float *xsum, int ng) {
+    float f = 0.f;
+    for (int g = 0; g < ng; g++) {
+        const uint8_t *wg = wr + g * Q4_GROUP_BYTES;
+        const int8_t *xg = x + g * Q4_GROUP;
+        int32_t d = 0;
+#pragma omp simd reduction(+ : d)
+        for (int i = 0; i < Q4_GROUP_BYTES; i++)
+            d += (int32_t)(wg[i] & 15) * xg[i] + (int32_t)(wg[i] >> 4) * xg[i + Q4_GROUP_BYTES];
+        f += bf16_to_f32(pr[2 * g]) * xs[g] * (float)d + bf16_to_f32(pr[2 * g + 1]) * xsum[g];
+    }
+    return f;
+}
+#endif
+
+struct q4_job {
+    const uint8_t *w;
+    const uint16_t *params;
+    const float *bias, *xs, *xsum;
+    const int8_t *x;
+    float *y;
+    int M, N, K;
+};
+
+static void q4_rows(const void *p, int lo, int hi) {
+    const struct q4_job *j = p;
+    int ng = j->K / Q4_GROUP;
+    for (int n = lo; n < hi; n++) {
+        const uint8_t *wr = j->w + (int64_t)n * (j->K / 2);
+        const uint16_t *pr = j->params + (int64_t)n * 2 * ng;
+        float b = j->bias ? j->bias[n] : 0.f;
+        for (int m = 0; m < j->M; m++)
+            j->y[(int64_t)m * j->N + n] =
+                dot_q4_groups(wr, pr, j->x + (int64_t)m * j->K, j->xs + m * ng, j->xsum + m * ng, ng) + b;
+    }
+}
+
+/* 4-bit weights to fp32 (out[N, K]) for long prefills, which BLAS computes faster than the
+ * integer products; rows split over the pool. */
+struct q4_unpack_job {
+    const uint8_t *w;
+    const uint16_t *params;
+    float *out;
+    int K;
+};
+
+static void q4_unpack_rows(const void *p, int lo, int hi) {
+    const struct q4_unpack_job *j = p;
+    int ng = j->K / Q4_GROUP;
+    for (int n = lo; n < hi; n++)
+        for (int g = 0; g < ng; g++) {
+            const uint8_t *wg = j->w + (int64_t)n * (j->K / 2) + g * Q4_GROUP_BYTES;
+            const uint16_t *pg = j->params + ((int64_t)n * ng + g) * 2;
+            float d = bf16_to_f32(pg[0]), m = bf16_to_f32(pg[1]), *o = j->out + (int64_t)n * j->K + g * Q4_GROUP;
+#pragma omp simd
+            for (int i = 0; i < Q4_GROUP_BYTES; i++) {
+                o[i] = d * (float)(wg[i] & 15) + m;
+                o[i + Q4_GROUP_BYTES] = d * (float)(wg[i] >> 4) + m;
+            }
+        }
+}
+
+void pd_unpack_q4(const uint8_t *w, const uint16_t *params, float *out, int N, int K, int threads) {
+    struct q4_unpack_job job = {w, params, out, K};
+    parallel_rows(q4_unpack_rows, &job, N, row_chunk(N, threads), threads);
+}
+
+/* K must be a multiple of 64. Returns -1 if out of memory (the caller raises). */
+int pd_linear_q4(const float *x, const uint8_t *w, const uint16_t *params, const float *bias, float *y,
+                 int M, int N, int K, int threads) {
+    int ng = K / Q4_GROUP;
+    int8_t *xq = malloc((size_t)M * K);
+    float *xs = malloc(sizeof(float) * 2 * (size_t)M * ng);
+    if (!xq || !xs) {
+        free(xq);
+        free(xs);
+        return -1;
+    }
+    float *xsum = xs + (size_t)M * ng;
+    quantize_q4_blocks(x, M, K, xq, xs, xsum);
+    struct q4_job job = {w, params, bias, xs, xsum, xq, y, M, N, K};
+    parallel_rows(q4_rows, &job, N, row_chunk(N, threads), threads);
+    free(xq);
     free(xs);
     return 0;
 }
@@ -531,8 +721,13 @@ void pd_paged_attention(const float *q, int64_t q_stride, const float *k_cache, 
 
 /* ---- whole layers: one call per forward, so a decode step pays Python's overhead once ---- */
 
-/* ptrs[0..2] = weight, scales, bias; scales NULL means fp32 weights, else u8 weights (q + 128). */
-static int linear_any(const float *x, const void *const *lin, float *y, int M, int N, int K, int threads) {
+/* How pd_layers' quantized weights are stored (dims[6]); a NULL scales pointer means fp32. */
+enum { PD_WEIGHTS_INT8 = 1, PD_WEIGHTS_INT4 = 2 };
+
+/* ptrs[0..2] = weight, scales, bias. */
+static int linear_any(const float *x, const void *const *lin, int format, float *y, int M, int N, int K,
+                      int threads) {
+    if (lin[1] && format == PD_WEIGHTS_INT4) return pd_linear_q4(x, lin[0], lin[1], lin[2], y, M, N, K, threads);
     if (lin[1]) return pd_linear_u8(x, lin[0], lin[1], lin[2], y, M, N, K, threads);
     pd_linear_f32(x, lin[0], lin[2], y, M, N, K, threads);
     return 0;
@@ -543,14 +738,14 @@ enum { W_QKV = 0, W_Q_NORM = 3, W_K_NORM, W_O, W_NORM_MLP = 8, W_GATE_UP, W_DOWN
 
 /* Every block of a Llama-family model, in place on x [T, D] (the residual stream) and h [T, D] (its
  * normalised form), exactly as the model's op-by-op forward (engine/model.py) does with these
- * kernels. dims = {layers, D, H, KVH, head_dim, intermediate}; ptrs: PTRS_PER_LAYER per layer in
+ * kernels. dims = {layers, D, H, KVH, head_dim, intermediate, weight format}; ptrs: PTRS_PER_LAYER per layer in
  * the order above (q/k norm NULL when the model has none). The caches hold all layers,
  * `layer_stride` floats apart. Returns -1 if out of memory. */
 int pd_layers(const int *dims, float eps, const void *const *ptrs, float *x, float *h, const float *cos,
               const float *sin, const int64_t *slots, float *k_cache, float *v_cache, int64_t layer_stride,
               const int32_t *tables, int max_blocks, const int32_t *cu_q, const int32_t *ctx, int S, int bs,
               float scale, int T, int threads) {
-    int L = dims[0], D = dims[1], H = dims[2], KVH = dims[3], Dh = dims[4], I = dims[5];
+    int L = dims[0], D = dims[1], H = dims[2], KVH = dims[3], Dh = dims[4], I = dims[5], F = dims[6];
     int Nq = H * Dh, Nkv = KVH * Dh, Nqkv = Nq + 2 * Nkv;
     float *qkv = malloc(sizeof(float) * (size_t)T * (Nqkv + Nq + D + 3 * (size_t)I));
     if (!qkv) return -1;
@@ -560,7 +755,7 @@ int pd_layers(const int *dims, float eps, const void *const *ptrs, float *x, flo
     for (int l = 0; l < L && status == 0; l++) {
         const void *const *p = ptrs + (size_t)l * PTRS_PER_LAYER;
         float *kc = k_cache + l * layer_stride, *vc = v_cache + l * layer_stride;
-        status |= linear_any(h, p + W_QKV, qkv, T, Nqkv, D, threads);
+        status |= linear_any(h, p + W_QKV, F, qkv, T, Nqkv, D, threads);
         if (p[W_Q_NORM])
             for (int t = 0; t < T; t++) {   /* (in place: each row's scale is taken before it is written) */
                 pd_rms_norm(q + (size_t)t * Nqkv, p[W_Q_NORM], q + (size_t)t * Nqkv, H, Dh, eps, 1);
@@ -569,11 +764,11 @@ int pd_layers(const int *dims, float eps, const void *const *ptrs, float *x, flo
         pd_rope(q, Nqkv, H, k, Nqkv, KVH, cos, sin, T, Dh, threads);
         pd_store_kv(k, Nqkv, v, Nqkv, kc, vc, slots, T, KVH, Dh);
         pd_paged_attention(q, Nqkv, kc, vc, tables, max_blocks, cu_q, ctx, S, H, KVH, Dh, bs, scale, att, threads);
-        status |= linear_any(att, p + W_O, delta, T, D, Nq, threads);
+        status |= linear_any(att, p + W_O, F, delta, T, D, Nq, threads);
         pd_add_rms_norm(x, delta, p[W_NORM_MLP], h, T, D, eps, threads);
-        status |= linear_any(h, p + W_GATE_UP, gu, T, 2 * I, D, threads);
+        status |= linear_any(h, p + W_GATE_UP, F, gu, T, 2 * I, D, threads);
         pd_silu_mul(gu, act, T, I, threads);
-        status |= linear_any(act, p + W_DOWN, delta, T, D, I, threads);
+        status |= linear_any(act, p + W_DOWN, F, delta, T, D, I, threads);
         pd_add_rms_norm(x, delta, p[W_NEXT_NORM], h, T, D, eps, threads);
     }
     free(qkv);

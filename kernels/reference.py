@@ -197,6 +197,39 @@ def int8_supported(device: torch.device) -> bool:
         return False
 
 
+# Int4 weights, one form for every backend (cpu_kernels.c reads it as it is): groups of 32 weights
+# of a row, w = d * u + m with u in 0..15 and (d, m) per group in bf16. Packed: u two to a byte, 16
+# bytes a group, byte i holding weight i in its low nibble and weight 16 + i in its high one;
+# params [N, K / 32, 2] = (d, m). 0.625 bytes a weight, like llama.cpp's Q4_1.
+INT4_GROUP = 32
+
+
+def pack_int4(u: torch.Tensor) -> torch.Tensor:
+    """u uint8 [N, K] in 0..15 -> packed uint8 [N, K / 2]."""
+    N, K = u.shape
+    g = u.view(N, K // INT4_GROUP, 2, INT4_GROUP // 2)
+    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(N, K // 2)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """packed uint8 [N, K / 2] -> u uint8 [N, K] in 0..15."""
+    N, half = packed.shape
+    g = packed.view(N, half // (INT4_GROUP // 2), 1, INT4_GROUP // 2)
+    return torch.cat([g & 15, g >> 4], dim=2).reshape(N, half * 2)
+
+
+def dequantize_int4(packed: torch.Tensor, params: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    u = unpack_int4(packed)
+    N, K = u.shape
+    p = params.to(dtype)
+    return (u.view(N, K // INT4_GROUP, INT4_GROUP).to(dtype) * p[:, :, :1] + p[:, :, 1:]).view(N, K)
+
+
+def linear_int4(x: torch.Tensor, packed: torch.Tensor, params: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, dequantize_int4(packed, params, x.dtype), bias)
+
+
 # ---- whole layers ----------------------------------------------------------------------------
 # A backend may run every block of a forward in one call (the CPU kernels do, for small batches,
 # where Python's per-op overhead rivals the arithmetic). Here there is no such path: the model

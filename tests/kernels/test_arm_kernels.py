@@ -12,18 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdchat.engine.quant import quantize_int8
+from pdchat.engine.quant import quantize_int4, quantize_int8
 from pdchat.kernels import cpu, reference
 
 from .batch import Batch
 from .conftest import record_variant
+from .test_cpu_kernels import int4_product_in_integers
 
 TOOLS = {"aarch64-linux-gnu-gcc": "gcc-aarch64-linux-gnu", "qemu-aarch64": "qemu-user"}   # -> Debian package
 CC, QEMU = TOOLS
 DRIVER = Path(__file__).with_name("arm_driver.c")
 TOL = dict(atol=1e-5, rtol=1e-4)                  # as test_cpu_kernels
 # Operation codes and header size of arm_driver.c
-LINEAR_U8, LINEAR_F32, RMS_NORM, ADD_RMS_NORM, SILU_MUL, ROPE, ATTENTION = range(1, 8)
+LINEAR_U8, LINEAR_F32, RMS_NORM, ADD_RMS_NORM, SILU_MUL, ROPE, ATTENTION, LINEAR_Q4 = range(1, 9)
 DIMS = 7
 
 
@@ -66,6 +67,28 @@ def int8_jobs() -> list[Job]:
             int8_job("int8 full scale", full_x, full_w, {"atol": 1e-5, "rtol": 1e-6})]
 
 
+def int4_jobs() -> list[Job]:
+    """test_cpu_kernels' int4 cases: the C arithmetic (int8 activations in blocks of 32) exactly,
+    for one row and several, and weights and activations at their extremes."""
+    x = rand(5, 320, seed=1)
+    x[:, 7] *= 50
+    w = rand(80, 320, seed=2) * torch.linspace(0.1, 4, 80)[:, None]
+    packed, params = quantize_int4(w)
+    bias = rand(80, seed=9)
+    u = torch.where(torch.arange(128) % 2 == 0, 15, 0).to(torch.uint8).repeat(4, 1)
+    u[1] = 15 - u[1]
+    ext_params = torch.tensor([[0.5, -3.0]], dtype=torch.bfloat16).repeat(4, 4, 1)
+    signs = torch.where(torch.arange(128) % 3 == 0, -1.0, 1.0)
+    ext_x = torch.stack([torch.full((128,), 2.0), signs * 3.0, -signs])
+
+    def job(name: str, x: torch.Tensor, packed: torch.Tensor, params: torch.Tensor, bias: torch.Tensor) -> Job:
+        want = int4_product_in_integers(x, packed, params) + bias.double()
+        return Job(name, LINEAR_Q4, (x.shape[0], packed.shape[0], x.shape[1]),
+                   [x, packed, params.view(torch.int16), bias], [want.float()], {}, max_rel=1e-5)
+    return [job("int4 1 row", x[:1], packed, params, bias), job("int4 5 rows", x, packed, params, bias),
+            job("int4 extremes", ext_x, reference.pack_int4(u), ext_params, torch.zeros(4))]
+
+
 def fp32_jobs() -> list[Job]:
     """The other kernels of a layer, at test_cpu_kernels' shapes."""
     xf, wf, bf = rand(6, 96, seed=5), rand(40, 96, seed=3), rand(40, seed=4)
@@ -93,7 +116,7 @@ def attention_job(name: str, qlens: list[int], clens: list[int], kv_heads: int, 
 
 
 def jobs() -> list[Job]:
-    return [*int8_jobs(), *fp32_jobs(),
+    return [*int8_jobs(), *int4_jobs(), *fp32_jobs(),
             attention_job("decode", [1], [37], 2, 4, 64),                        # serial (below ATTENTION_PAR_MACS)
             attention_job("multi-query", [5, 1, 3], [5, 33, 20], 3, 3, 32)]      # on the pool
 

@@ -79,6 +79,74 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_int8(w)
 
 
+def quantize4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from pdchat.engine.quant import quantize_int4
+    return quantize_int4(w)
+
+
+def int4_product_in_integers(x: torch.Tensor, packed: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """What the C int4 product computes, in float64: activations to int8 in blocks of 32 (round
+    half to even, as lrintf), then per group d * xs * <u, xq> + m * xs * sum(xq)."""
+    G = reference.INT4_GROUP
+    M, K = x.shape
+    blocks = x.double().view(M, K // G, G)
+    amax = blocks.abs().amax(dim=2, keepdim=True)
+    xs = (amax.float() / 127).double()
+    xq = torch.round(blocks * torch.where(amax > 0, 127 / amax.float(), 0).double())
+    u = reference.unpack_int4(packed).double().view(packed.shape[0], K // G, G)
+    d, m = params.double().unbind(dim=2)
+    dots = torch.einsum("mgi,ngi->mng", xq, u)
+    return (dots * d[None] * xs[:, None, :, 0] + m[None] * (xs[..., 0] * xq.sum(dim=2))[:, None]).sum(dim=2)
+
+
+def test_int4_round_trip_is_within_half_a_step_of_each_group():
+    w = rand(48, 256, seed=3) * torch.linspace(0.01, 3, 48)[:, None] + 0.2    # off-centre groups
+    packed, params = quantize4(w)
+    assert packed.shape == (48, 128) and params.shape == (48, 8, 2) and params.dtype == torch.bfloat16
+    back = reference.dequantize_int4(packed, params, torch.float32)
+    step = params[:, :, 0].float().repeat_interleave(reference.INT4_GROUP, dim=1)
+    # Half a step, plus what bf16's rounding of the step can cost at the top of the range.
+    assert ((back - w).abs() <= 0.55 * step + 1e-6).all()
+    u = reference.unpack_int4(packed)
+    assert torch.equal(reference.pack_int4(u), packed) and u.max() == 15 and u.min() == 0
+
+
+@pytest.mark.parametrize("rows", [1, 5, cpu.LINEAR_MAX_ROWS])
+def test_int4_product_is_exact_integer_arithmetic(ops, rows):
+    w = rand(80, 320, seed=3) * torch.linspace(0.1, 4, 80)[:, None]
+    packed, params = quantize4(w)
+    x = rand(rows, 320, seed=4)
+    x[:, 7] *= 50                                   # an outlier channel: it spoils its block only
+    bias = rand(80, seed=5)
+    got = ops.linear_int4(x, packed, params, bias)
+    want = int4_product_in_integers(x, packed, params) + bias.double()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
+    # And close to the product with fp32 activations (one-part int8 activations: ~1e-2).
+    exact = reference.linear_int4(x, packed, params, bias)
+    assert (got - exact).abs().max() < 2e-2 * exact.abs().max()
+
+
+def test_int4_product_at_the_extremes_is_exact(ops):
+    """Weights at 0 and 15 only and activations at +-127 of their block: maddubs pairs reach
+    2 * 15 * 127, the integer sums stay exact, and so does the result."""
+    K = 128
+    u = torch.where(torch.arange(K) % 2 == 0, 15, 0).to(torch.uint8).repeat(6, 1)
+    u[3] = 15 - u[3]
+    params = torch.tensor([[0.5, -3.0]], dtype=torch.bfloat16).repeat(6, K // reference.INT4_GROUP, 1)
+    packed = reference.pack_int4(u)
+    signs = torch.where(torch.arange(K) % 3 == 0, -1.0, 1.0)
+    x = torch.stack([torch.full((K,), 2.0), signs * 3.0, -signs])
+    want = x.double() @ reference.dequantize_int4(packed, params, torch.float64).T
+    torch.testing.assert_close(ops.linear_int4(x, packed, params).double(), want, rtol=1e-6, atol=1e-4)
+
+
+def test_int4_prefill_sized_products_unpack_to_blas(ops):
+    packed, params = quantize4(rand(72, 192, seed=6))
+    x = rand(cpu.LINEAR_MAX_ROWS + 3, 192, seed=7)
+    torch.testing.assert_close(ops.linear_int4(x, packed, params), reference.linear_int4(x, packed, params),
+                               rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("T", [5, 40])
 def test_norms_match_reference(ops, T):
     x, delta, w = rand(T, 96), rand(T, 96, seed=1), rand(96, seed=2)

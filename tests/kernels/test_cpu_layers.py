@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdchat.engine import Engine
+from pdchat.engine import Engine, quant
 from pdchat.engine.model_runner import Work
 from pdchat.kernels import reference
 
@@ -42,7 +42,7 @@ def both_paths(engine, monkeypatch, items: list[Work], rows: list[list[int]]):
     return before, fused, plain
 
 
-@pytest.mark.parametrize("quant", ["none", "int8"])
+@pytest.mark.parametrize("quant", ["none", "int8", "int4"])
 def test_one_call_forward_matches_op_by_op(engine, monkeypatch, quant):
     engine.update(quant=quant)
     calls = spy_on_layers(engine, monkeypatch)
@@ -71,17 +71,21 @@ def test_batches_beyond_the_c_code_run_op_by_op(engine, monkeypatch):
     assert calls == [False] and logits.isfinite().all()
 
 
-def test_plans_follow_the_quant_mode_and_new_int8_weights(engine):
+def test_plans_follow_the_quant_mode_and_new_weights(engine):
     model = engine.runner.model
-    engine.update(quant="int8")                        # computes the int8 copies
-    int8_plan = model._layer_plan()
-    engine.update(quant="none")
+    engine.update(spec="draft")                        # the self-draft's int8 copies beside fp32
     fp_plan = model._layer_plan()
+    with quant.precision_mode(model.quant_switch, "int8"):
+        int8_plan = model._layer_plan()
     assert {t.dtype for t in int8_plan.tensors} > {torch.uint8}
     assert torch.uint8 not in {t.dtype for t in fp_plan.tensors}
-    engine.update(quant="int8")
-    assert model._layer_plan() is int8_plan            # cached: the self-draft flips every step
-    engine.update(quant="none")
+    with quant.precision_mode(model.quant_switch, "int8"):
+        assert model._layer_plan() is int8_plan        # cached: the self-draft flips every step
     assert model._layer_plan() is fp_plan
-    model.quant_switch.version += 1                    # as QuantLinear.set_int8 does
-    assert model._layer_plan() is not fp_plan
+    engine.update(spec="off")
+    engine.update(quant="int4")                        # new weights: new plans
+    int4_plan = model._layer_plan()
+    assert int4_plan is not fp_plan and torch.bfloat16 in {t.dtype for t in int4_plan.tensors}
+    assert int4_plan.dims[6] == 2                      # pd_layers reads them as int4
+    engine.update(quant="none")
+    assert model._layer_plan() is not fp_plan          # read again: new tensors, a new plan
