@@ -60,12 +60,14 @@ class Engine:
         self.ops = kernel_backend(cfg.kernels, self.device, self.dtype, self.notices)
         self.files = resolve(cfg.model, say)
         say(f"loading {cfg.model} on {self.device} ({str(self.dtype).removeprefix('torch.')})…")
-        self.loaded = load(self.files, self.device, self.dtype, seed=cfg.seed, ops=self.ops)
+        # Quantized weights are made as the checkpoint is read (_set_quant below says why not, if not).
+        quant_mode = cfg.quant if cfg.quant != "int8" or self.ops.int8_supported(self.device) else "none"
+        self.loaded = load(self.files, self.device, self.dtype, seed=cfg.seed, ops=self.ops, quant_mode=quant_mode)
         self.tokenizer = self.loaded.tokenizer
         self.model_config = mc = self.loaded.config
         self.max_model_len = min(cfg.max_model_len or mc.max_position, mc.max_position)
         self.kv_bytes_per_token = mc.kv_bytes_per_token(self.dtype)
-        self.precision = WeightPrecision(self.loaded, self.files, self.device, self.dtype)
+        self.precision = WeightPrecision(self.loaded, self.device, self.dtype)
         self.speculative = SpeculativeDecoder(
             self.loaded, self.precision, target_name=cfg.model, spec_tokens=cfg.spec_tokens,
             draft_model=cfg.draft_model, load_draft_now=cfg.spec == "draft", seed=cfg.seed, say=say)
@@ -203,17 +205,28 @@ class Engine:
             self.scheduler.max_num_seqs = cfg.max_num_seqs
             if "spec_tokens" in changes:
                 self.speculative.set_tokens(cfg.spec_tokens)
-            if "spec" in changes:
-                self._set_spec(cfg.spec)
             if "quant" in changes:
                 self._set_quant(cfg.quant)
                 # K/V computed with other weights must not be reused as a prefix.
                 self.blocks.set_prefix_cache(False)
+                if self.config.spec == "draft" and "spec" not in changes:
+                    self._recheck_draft()
+            if "spec" in changes:
+                self._set_spec(cfg.spec)
             if changes.keys() & {"prefix_cache", "kv_cache", "quant"}:
                 self.blocks.set_prefix_cache(cfg.prefix_cache and cfg.kv_cache)
 
     def _set_quant(self, mode: str) -> None:
         self.config = replace(self.config, quant=self.precision.set(mode, self.notices))
+
+    def _recheck_draft(self) -> None:
+        """The weights changed under a running draft: a self-draft that no longer fits them stops,
+        with a notice, rather than failing the change."""
+        try:
+            self._set_spec("draft")
+        except InvalidRequest as e:
+            self.notices.append(f"speculative decoding turned off: {e}")
+            self._set_spec("off")
 
     def _set_spec(self, mode: str) -> None:
         self.speculative.set_mode(mode, self.blocks)

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from typing import Any, Mapping
 
 import torch
+from torch import nn
 
 from . import quant
 from .checkpoint import GeneratedWeights, SafetensorsWeights
@@ -53,6 +54,7 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     files: ModelFiles
     quant: "quant.QuantSwitch"
+    seed: int                      # random presets: regenerating with it gives the same weights
 
 
 def hf_config_of(files: ModelFiles) -> dict[str, Any]:
@@ -109,27 +111,74 @@ def eos_ids(cfg: ModelConfig, files: ModelFiles, tokenizer: Any) -> frozenset[in
 
 
 def load(files: ModelFiles, device: torch.device, dtype: torch.dtype, seed: int = 0,
-         ops: SimpleNamespace | None = None) -> LoadedModel:
-    """Build the model on the device with the given kernel backend (default: plain PyTorch)."""
+         ops: SimpleNamespace | None = None, quant_mode: str = "none") -> LoadedModel:
+    """Build the model on the device with the given kernel backend (default: plain PyTorch), its
+    matrices in `quant_mode` (none | int8 | int4): quantized as they are read, never held in full
+    precision."""
     hf_cfg = hf_config_of(files)
     cfg = ModelConfig.from_hf(hf_cfg, source=str(files.path / "config.json") if files.path else files.name)
     tokenizer = load_tokenizer(files)
     with torch.device("meta"):
-        model = Transformer(cfg)                  # no time spent on random init
-    inv_freq = model.inv_freq
-    model = model.to_empty(device=device).to(dtype)
-    model.inv_freq = inv_freq.to(device)          # to_empty leaves buffers uninitialised
-    state = load_hf_state_dict(files, device, dtype, seed)
+        model = Transformer(cfg)                  # no memory and no time spent on random init
+    if ops is not None:
+        model.ops = ops
+    switch = quant.install(model, model.ops, dtype, quant_mode)
+    loaded = LoadedModel(model, tokenizer, cfg, hf_cfg, eos_ids(cfg, files, tokenizer), files, switch, seed)
+    place_weights(loaded, device, dtype, quant_mode)
+    model.inv_freq = model.inv_freq.to(device)
+    model.eval()
+    return loaded
+
+
+def place_weights(loaded: LoadedModel, device: torch.device, dtype: torch.dtype, mode: str) -> None:
+    """Read the checkpoint into the model, tensor by tensor: matrices that fit `mode` quantized
+    (from the cache file when it has them, which is then written if it missed any), the rest in
+    `dtype`. Each matrix drops what it held before as its new form arrives, so switching precision
+    at run time never holds two forms of the whole model."""
+    model, files = loaded.model, loaded.files
+    layers = quant.quantized_layers(model)
+    cache_path = quant.cache_file(files, mode) if mode != "none" else None
+    cache = quant.CachedWeights(cache_path)
+    missed = False
+
+    def place(name: str, tensor: torch.Tensor) -> None:
+        nonlocal missed
+        owner, _, attr = name.rpartition(".")
+        layer = layers.get(owner) if attr == "weight" else None
+        if layer is not None:
+            layer.quantized.clear()
+        fmt = layer.format_for(mode) if layer is not None and mode != "none" else None
+        if fmt is not None and quant.fits(fmt, tensor):
+            cached = cache.get(owner)
+            if cached is not None and _cache_fits(fmt, cached, tensor.shape):
+                layer.adopt(mode, cached, device)
+            else:
+                missed = True
+                layer.quantize(mode, tensor, device)
+            layer.weight = None
+        else:
+            setattr(model.get_submodule(owner), attr, nn.Parameter(tensor.to(device, dtype), requires_grad=False))
+
+    state = load_hf_state_dict(files, device, dtype, loaded.seed)
     try:
-        model.load_hf_state_dict(state)
+        model.load_hf_state_dict(state, place)
     except (KeyError, ValueError) as e:
         raise ModelLoadError(f"weights do not fit the config in {files.path}: {e}") from e
     del state
-    model.eval().requires_grad_(False)
-    if ops is not None:
-        model.ops = ops
-    switch = quant.install(model, model.ops)
-    if cfg.tie_embeddings:
-        # The LM head reads the embedding matrix; as a QuantLinear it can have an int8 copy too.
-        model.lm_head = quant.QuantLinear(None, switch, weight=model.embed.weight)
-    return LoadedModel(model, tokenizer, cfg, hf_cfg, eos_ids(cfg, files, tokenizer), files, switch)
+    model.quant_switch.mode = mode
+    model.quant_switch.version += 1
+    if missed and cache_path is not None:
+        try:
+            quant.save(model, mode, cache_path)
+        except OSError:
+            pass                          # a read-only cache folder costs the next load time, not this one
+
+
+def _cache_fits(fmt: str, cached: tuple[torch.Tensor, torch.Tensor], shape: torch.Size) -> bool:
+    """A cached entry is used only with the shapes and dtypes this model's matrix needs."""
+    q, s = cached
+    N, K = shape
+    if fmt == "int8":
+        return q.shape == (N, K) and q.dtype == torch.int8 and s.shape == (N,) and s.dtype == torch.float32
+    return (q.shape == (N, K // 2) and q.dtype == torch.uint8 and s.shape == (N, K // quant.INT4_GROUP, 2)
+            and s.dtype == torch.bfloat16)

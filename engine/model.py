@@ -46,7 +46,7 @@ class AttentionBatch:
                                    context_lens_host=self.context_lens_host)
 
 
-# (weight, scales, bias): scales None for full-precision weights, else the int8 copy packed by the backend.
+# (weight, scales, bias): scales None for full-precision weights, else quantized ones as the backend stores them.
 LinearWeights = tuple[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]
 
 
@@ -63,7 +63,7 @@ class LayerWeights(NamedTuple):
 
 
 def active_weights(linear: nn.Module) -> LinearWeights:
-    """The weights a linear layer's next forward uses (an int8 QuantLinear says so itself)."""
+    """The weights a linear layer's next forward uses (a QuantLinear says so itself)."""
     active = getattr(linear, "active_weights", None)
     return active() if active is not None else (linear.weight, None, linear.bias)
 
@@ -153,17 +153,19 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # What each weight's shape must be, whatever form (or device) a loader holds it in.
+        self.param_shapes = {name: tuple(p.shape) for name, p in self.named_parameters()}
         self.ops: Kernels = kernels.load("torch")     # the engine picks the device's backend
         self.quant_switch = None      # quant.QuantSwitch once the loader wraps the linears
         self._plans_for: tuple[int, int] | None = None   # (backend, weight version) of _plans
-        self._plans: dict[bool, object] = {}
+        self._plans: dict[str, object] = {}
         with torch.device("cpu"):   # real numbers even when built on the meta device
             self.register_buffer("inv_freq", cfg.rope_inv_freq(), persistent=False)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.unsqueeze(0)
         emb = torch.cat((freqs, freqs), dim=-1)
-        dtype = self.embed.weight.dtype
+        dtype = self.norm.weight.dtype
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
@@ -191,15 +193,15 @@ class Transformer(nn.Module):
         one call (None: it runs them op by op). Cached per weight set: a self-draft flips int8 on
         and off every step."""
         switch = self.quant_switch
-        int8, version = (switch.int8, switch.version) if switch is not None else (False, 0)
+        mode, version = (switch.mode, switch.version) if switch is not None else ("none", 0)
         if self._plans_for != (id(self.ops), version):
             self._plans_for, self._plans = (id(self.ops), version), {}
-        if int8 not in self._plans:
+        if mode not in self._plans:
             cfg = self.cfg
             weights = [block.weights(norm) for block, norm in zip(self.layers, self._norms_after())]
-            self._plans[int8] = self.ops.prepare_layers(weights, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            self._plans[mode] = self.ops.prepare_layers(weights, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                                         cfg.rms_norm_eps)
-        return self._plans[int8]
+        return self._plans[mode]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:                  # tied, and not wrapped by the loader (bare model)
@@ -208,15 +210,20 @@ class Transformer(nn.Module):
 
     # ---- weights ---------------------------------------------------------------------------
     @torch.no_grad()
-    def load_hf_state_dict(self, hf: Mapping[str, torch.Tensor]) -> None:
-        """Copy weights named as in Hugging Face checkpoints into ours, fusing q/k/v and gate/up,
-        one tensor at a time: `hf` may read each one only when it is looked up (checkpoint.py)."""
+    def load_hf_state_dict(self, hf: Mapping[str, torch.Tensor],
+                           place: Callable[[str, torch.Tensor], None] | None = None) -> None:
+        """Weights named as in Hugging Face checkpoints, fused into ours (q/k/v, gate/up), one
+        tensor at a time: `hf` may read each one only when it is looked up (checkpoint.py).
+        place(name, tensor) stores each (the loader's, which may quantize); by default it is
+        copied into the parameter."""
         params = dict(self.named_parameters())
         for name, tensor in self._from_hf(hf):
-            dst = params[name]
-            if dst.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(dst.shape)}")
-            dst.copy_(tensor)
+            if self.param_shapes[name] != tuple(tensor.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {self.param_shapes[name]}")
+            if place is not None:
+                place(name, tensor)
+            else:
+                params[name].copy_(tensor)
 
     def _from_hf(self, hf: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         """(our parameter name, its tensor) for every weight, each Hugging Face name looked up once."""
@@ -231,7 +238,7 @@ class Transformer(nn.Module):
         embed = take("model.embed_tokens.weight")
         yield "embed.weight", embed
         yield "norm.weight", take("model.norm.weight")
-        if self.lm_head is not None:
+        if not cfg.tie_embeddings:
             yield "lm_head.weight", take("lm_head.weight") if "lm_head.weight" in hf else embed
         for i in range(cfg.num_layers):
             p, a = f"model.layers.{i}.", f"layers.{i}."

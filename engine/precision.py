@@ -1,55 +1,76 @@
-"""The target model's weight precision at run time: its load dtype, or int8 weight-only copies.
+"""The target model's weight precision at run time: its load dtype, int8 or int4 weight-only.
 
-The int8 copies are made once (or read from the on-disk cache) and kept beside the originals, so
-the mode flips without reloading, and a self-draft can run them while the target verifies.
+Weights are held once, in the precision that runs: switching reads the checkpoint again (the
+quantized forms from their cache file when there is one) and drops the old form matrix by matrix.
+The int8 self-draft is the exception: it runs int8 copies kept beside full-precision weights.
 """
 from __future__ import annotations
 
 import torch
 
 from . import quant
-from .loader import LoadedModel
-from .model_source import ModelFiles
+from .loader import LoadedModel, place_weights
+from .memory import release_freed_memory
 
 
 class WeightPrecision:
-    def __init__(self, loaded: LoadedModel, files: ModelFiles, device: torch.device, dtype: torch.dtype):
+    def __init__(self, loaded: LoadedModel, device: torch.device, dtype: torch.dtype):
         self.loaded = loaded
-        self.files = files
         self.device = device
         self.dtype = dtype
-        self.read_bytes = quant.decode_read_bytes(loaded.model, loaded.quant)   # per decode step
-        self.resident_bytes = quant.resident_bytes(loaded.model)                # held in memory
+        self._measure()
 
     @property
     def switch(self) -> quant.QuantSwitch:
         """Shared by every quantized layer: which weights the next forward reads."""
         return self.loaded.quant
 
-    def ensure_int8(self) -> bool:
-        """Make the int8 weight copies (from the cache when possible); False if unsupported here."""
-        if not self.loaded.quant.ops.int8_supported(self.device):
-            return False
-        model = self.loaded.model
-        cache = quant.cache_file(self.files)
-        if cache is None or not cache.is_file() or not quant.load(model, cache):
-            quant.prepare(model)
-            if cache is not None:
-                quant.save(model, cache)
-        self.resident_bytes = quant.resident_bytes(model)
-        return True
+    @property
+    def mode(self) -> str:
+        return self.loaded.quant.mode
+
+    def _measure(self) -> None:
+        self.read_bytes = quant.decode_read_bytes(self.loaded.model)        # per decode step
+        self.resident_bytes = quant.resident_bytes(self.loaded.model)       # held in memory
+
+    def supported(self, mode: str) -> str | None:
+        """Why `mode` cannot run here, or None."""
+        if mode == "int8" and not self.loaded.quant.ops.int8_supported(self.device):
+            return f"int8 weights are not supported on {self.device} by this torch build"
+        return None
 
     def set(self, mode: str, notices: list[str]) -> str:
-        """Switch to `mode` (none | int8); returns the mode in effect, with a notice when int8
-        cannot run here."""
-        if mode == "int8" and not self.ensure_int8():
-            notices.append(f"int8 weights are not supported on {self.device} by this torch build; "
-                           f"running {str(self.dtype).removeprefix('torch.')}")
+        """Switch to `mode` (none | int8 | int4), reading the weights again when it changes;
+        returns the mode in effect, with a notice when `mode` cannot run here."""
+        reason = self.supported(mode)
+        if reason is not None:
+            notices.append(f"{reason}; running {str(self.dtype).removeprefix('torch.')}")
             mode = "none"
-        self.loaded.quant.int8 = mode == "int8"
-        self.read_bytes = quant.decode_read_bytes(self.loaded.model, self.loaded.quant)
+        if mode != self.mode:
+            place_weights(self.loaded, self.device, self.dtype, mode)
+            release_freed_memory(self.device)
+        self._measure()
         return mode
+
+    def self_draft_refusal(self) -> str | None:
+        """Why the int8 self-draft cannot run beside the weights in use, or None (then the int8
+        copies exist once this returns)."""
+        if self.mode != "none":
+            return (f"self-draft drafts with int8 copies of full-precision weights; with {self.mode} "
+                    f"weights it would cost as much as the model it drafts for")
+        reason = self.supported("int8")
+        if reason is not None:
+            return reason
+        quant.add_copies(self.loaded.model, "int8", self.device)
+        self._measure()
+        return None
+
+    def drop_draft_copies(self) -> None:
+        """The self-draft stopped: its int8 copies go."""
+        if self.mode == "none":
+            quant.drop_copies(self.loaded.model, "int8")
+            self._measure()
 
     def release(self) -> None:
         """Drop the model (the engine is closing); the figures stay readable."""
-        self.loaded = self.files = None
+        self.loaded = None

@@ -194,8 +194,9 @@ SETTINGS: tuple[Setting, ...] = (
             group="optimizations", label="prefill chunk",
             help="prefill tokens per step while others decode, so their streams stay smooth; "
                  "auto = the device's default, off = whole prompts"),
-    Setting("quant", ENGINE, str, "none", choices=("none", "int8"), runtime=True, toggle=True, group="optimizations",
-            label="quantization", help="weight-only int8: a quarter of fp32's bytes to read per token"),
+    Setting("quant", ENGINE, str, "none", choices=("none", "int8", "int4"), runtime=True, toggle=True,
+            group="optimizations", label="quantization",
+            help="weight-only int8 or int4 (groups of 64): a quarter or an eighth of fp32's bytes per token"),
     Setting("spec", ENGINE, str, "off", choices=("off", "ngram", "draft"), runtime=True, toggle=True,
             group="optimizations", label="speculative",
             help="guess tokens cheaply, check them in one forward: ngram = copy from the context, "

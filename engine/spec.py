@@ -65,16 +65,16 @@ class NgramProposer:
 class DraftProposer:
     """Runs a draft model over the target's block tables with its own K/V pool."""
 
-    def __init__(self, name: str, runner: ModelRunner, int8_switch=None):
+    def __init__(self, name: str, runner: ModelRunner, switch=None):
         self.name = name
         self.runner = runner
-        self.int8_switch = int8_switch        # self-draft: the target's weights, int8 copy
+        self.switch = switch        # self-draft: the target's quant switch, flipped to its int8 copies
 
     def _mode(self):
-        if self.int8_switch is None:
+        if self.switch is None:
             return contextlib.nullcontext()
-        from .quant import int8_mode
-        return int8_mode(self.int8_switch)
+        from .quant import precision_mode
+        return precision_mode(self.switch, "int8")
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         drafts = [Draft([], None) for _ in seqs]

@@ -1,5 +1,5 @@
 """The engine's speculative decoder: which proposer drafts (off, n-gram, a draft model, or the
-target's own int8 weights), the draft model and its KV pool, proposing for a step's decodes with
+int8 copies of the target's weights), the draft model and its KV pool, proposing for a step's decodes with
 blocks reserved, verifying a draft against the target's logits, and the adaptive draft length.
 
 The algorithms (proposers, rejection sampling) are in spec.py; this module is their lifecycle.
@@ -59,12 +59,18 @@ class SpeculativeDecoder:
             proposer = NgramProposer()
         elif mode == "draft":
             proposer = self._draft_proposer(blocks)
+        if self._self_drafting(self.proposer) and not self._self_drafting(proposer):
+            self.precision.drop_draft_copies()
         self.proposer = proposer
 
+    @staticmethod
+    def _self_drafting(proposer: Proposer | None) -> bool:
+        return isinstance(proposer, DraftProposer) and proposer.switch is not None
+
     def _draft_proposer(self, blocks: BlockManager) -> DraftProposer:
-        if self._draft is None and not self.precision.ensure_int8():
-            raise InvalidRequest(f"self-draft needs int8 weights, which this torch build lacks on "
-                                 f"{self.precision.device}; pass --draft-model")
+        refusal = self.precision.self_draft_refusal() if self._draft is None else None
+        if refusal is not None:
+            raise InvalidRequest(f"{refusal}; pass --draft-model, or turn quantization off")
         if self._runner is None:
             loaded = self._draft or self.target
             try:
@@ -75,7 +81,7 @@ class SpeculativeDecoder:
                 raise InvalidRequest("not enough memory for the draft's KV cache now; "
                                      "start with --spec draft instead") from None
         if self._draft is None:
-            return DraftProposer("self-draft", self._runner, int8_switch=self.precision.switch)
+            return DraftProposer("self-draft", self._runner, switch=self.precision.switch)
         return DraftProposer(f"draft:{self.draft_model}", self._runner)
 
     def set_tokens(self, k: int) -> None:

@@ -20,7 +20,8 @@ ALL = {"kv_cache": True, "prefix_cache": True, "chunk_size": True, "quant": True
 def test_choices_cover_every_other_value_of_the_available_toggles():
     labels = [label for label, _ in compare_choices(TOGGLES, ALL)]
     assert labels == ["KV cache: on → off", "prefix cache: on → off", "prefill chunk: auto → off",
-                      "quantization: none → int8", "speculative: off → ngram", "speculative: off → draft"]
+                      "quantization: none → int8", "quantization: none → int4", "speculative: off → ngram",
+                      "speculative: off → draft"]
     changes = [c for _, c in compare_choices({**TOGGLES, "chunk_size": None, "kv_cache": False}, ALL)]
     assert {"chunk_size": "auto"} in changes and {"kv_cache": True} in changes
     assert all("quant" not in c for _, c in compare_choices(TOGGLES, {**ALL, "quant": False}))

@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from pdchat.engine.model import Transformer
 from pdchat.engine import checkpoint, loader
 from pdchat.engine.checkpoint import GeneratedWeights, SafetensorsWeights
 from pdchat.engine.errors import ModelLoadError
@@ -38,7 +39,7 @@ def test_generated_weights_come_in_any_order_each_once():
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2", "tiny-qwen3"])
 def test_loading_a_preset_copies_each_weight_before_reading_on(preset, monkeypatch):
     seen = {"since_copy": 0, "most": 0, "waiting": 0}
-    getitem, copy = GeneratedWeights.__getitem__, torch.nn.Parameter.copy_
+    getitem, load_state = GeneratedWeights.__getitem__, Transformer.load_hf_state_dict
 
     def taking(self, name):
         seen["since_copy"] += 1
@@ -47,11 +48,13 @@ def test_loading_a_preset_copies_each_weight_before_reading_on(preset, monkeypat
         seen["waiting"] = max(seen["waiting"], len(self._waiting))
         return tensor
 
-    def copying(self, src, *args, **kwargs):
-        seen["since_copy"] = 0
-        return copy(self, src, *args, **kwargs)
+    def loading(self, hf, place):
+        def placing(name, tensor):
+            seen["since_copy"] = 0
+            place(name, tensor)
+        return load_state(self, hf, placing)
     monkeypatch.setattr(GeneratedWeights, "__getitem__", taking)
-    monkeypatch.setattr(torch.nn.Parameter, "copy_", copying, raising=False)
+    monkeypatch.setattr(Transformer, "load_hf_state_dict", loading)
     files = resolve(f"random:{preset}", lambda m: None)
     lazy = loader.load(files, torch.device("cpu"), torch.float32).model
     assert seen["most"] == 3                          # q, k and v read for one fused copy

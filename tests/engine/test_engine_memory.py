@@ -74,17 +74,20 @@ def test_closed_engines_give_their_memory_back(options):
                                    f"{[round(a / 2**20) for a in after]} MB (one model: {size / 2**20:.0f} MB)")
 
 
-def test_stats_say_what_the_model_holds_with_and_without_int8_copies():
+def test_stats_say_what_the_model_holds_in_each_precision():
     with Engine(model="random:tiny", device="cpu", telemetry=False) as engine:
         model = engine.precision.loaded.model
         params = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
         buffers = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in model.buffers()}
         full = sum({**params, **buffers}.values())
         assert engine.stats().model_bytes == full > 0
-        engine.update(quant="int8")
-        s = engine.stats()
-        copies = sum(m.qweight.numel() + m.scales.numel() * 4 for m in model.modules() if getattr(m, "qweight", None)
-                     is not None)
-        assert copies > 0 and s.model_bytes == full + copies     # int8 copies beside the fp32 weights
+        norms = sum(p.numel() * 4 for name, p in model.named_parameters() if "norm" in name)
+        for mode in ("int8", "int4"):
+            engine.update(quant=mode)
+            held = sum(q.weight.numel() * q.weight.element_size() + q.scales.numel() * q.scales.element_size()
+                       for m in model.modules() for q in getattr(m, "quantized", {}).values())
+            # Quantized matrices, the norms, inv_freq: nothing in full precision beside them.
+            assert engine.stats().model_bytes == held + norms + model.inv_freq.nbytes
+            assert held < full / (3 if mode == "int8" else 4)
         engine.update(quant="none")
-        assert engine.stats().model_bytes == full + copies       # kept: switching back costs no reload
+        assert engine.stats().model_bytes == full                # the quantized weights are gone

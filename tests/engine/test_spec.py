@@ -150,12 +150,12 @@ class _FakeRunner:
     def __init__(self, vocab: int = 16, flat: bool = False, switch=None):
         self.vocab, self.flat, self.switch = vocab, flat, switch
         self.calls: list[list[tuple[list[int], int]]] = []
-        self.int8_seen: list[bool] = []
+        self.modes_seen: list[str] = []
 
     def forward(self, work, positions):
         self.calls.append([(list(w.tokens), w.start) for w in work])
         if self.switch is not None:
-            self.int8_seen.append(self.switch.int8)
+            self.modes_seen.append(self.switch.mode)
         logits = torch.zeros(len(work), self.vocab)
         for row, w in enumerate(work):
             if not self.flat:
@@ -173,7 +173,7 @@ def test_draft_proposer_drafts_k_tokens_per_sequence_and_tracks_its_cache():
     from pdchat.engine.spec import DraftProposer
     runner = _FakeRunner()
     prop = DraftProposer("draft:x", runner)
-    assert prop.name == "draft:x" and prop.int8_switch is None
+    assert prop.name == "draft:x" and prop.switch is None
     a, b, c = (_draft_seq("a", [1, 2, 3], temperature=0), _draft_seq("b", [7], temperature=0),
                _draft_seq("c", [4, 5], temperature=0))
     drafts = prop.propose([a, b, c], [3, 1, 0])
@@ -217,12 +217,12 @@ def test_self_draft_runs_in_int8_mode_and_restores_it():
     from types import SimpleNamespace
 
     from pdchat.engine.spec import DraftProposer
-    switch = SimpleNamespace(int8=False)
+    switch = SimpleNamespace(mode="none")
     runner = _FakeRunner(switch=switch)
-    prop = DraftProposer("self-draft", runner, int8_switch=switch)
-    assert prop.int8_switch is switch
+    prop = DraftProposer("self-draft", runner, switch=switch)
+    assert prop.switch is switch
     prop.propose([_draft_seq("s", [1], temperature=0)], [2])
-    assert runner.int8_seen == [True, True] and switch.int8 is False
+    assert runner.modes_seen == ["int8", "int8"] and switch.mode == "none"
 
 
 def test_adaptive_k_defaults_and_boundaries():
