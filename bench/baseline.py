@@ -1,6 +1,8 @@
-"""`pdchat bench baseline`: pdchat vs Hugging Face `generate()` on the same weights, device, dtype
-and prompts, interleaved in one run (so machine noise hits both alike). With llama-cpp-python
-installed, llama.cpp on the same GGUF joins the same rounds (see llamacpp_peer)."""
+"""`pdchat bench baseline`: pdchat in each weight precision (the load dtype, int8, int4) vs Hugging
+Face `generate()` on the same weights, device, dtype and prompts, interleaved in one run (so
+machine noise hits all alike). With llama-cpp-python installed, llama.cpp on the same weights,
+quantized to Q4_0 by its own quantizer, joins the same rounds (llamacpp_peer, gguf_export).
+`--model random:llama-1b` (and other presets) measures real shapes without downloads."""
 from __future__ import annotations
 
 import time
@@ -10,11 +12,12 @@ from typing import Any
 
 import torch
 
-from pdchat.engine import quant
 from pdchat.engine.config import EngineConfig, SamplingParams
 from pdchat.engine.engine import Engine
 from pdchat.engine.hf_reference import hf_generate, hf_model_for
-from pdchat.bench import Progress, filler_text, kernel_paths, llamacpp_peer, median, ratio
+from pdchat.bench import Progress, filler_text, gguf_export, kernel_paths, llamacpp_peer, median, ratio
+
+PRECISIONS = ("none", "int8", "int4")     # "none": the load dtype (float32 on CPU)
 
 
 def _timed(fn, *args) -> float:
@@ -27,8 +30,9 @@ def _timed(fn, *args) -> float:
 
 def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, Any]:
     decode_tokens, prefill_len, repeats = (16, 128, 1) if quick else (128, 1024, 3)
-    # No prefix cache: every repeat must really prefill.
-    engine = Engine(replace(config, telemetry=False, prefix_cache=False), say=lambda m: None)
+    # No prefix cache: every repeat must really prefill. Each round runs every weight precision.
+    engine = Engine(replace(config, telemetry=False, prefix_cache=False, quant="none"), say=lambda m: None)
+    modes = [m for m in PRECISIONS if engine.precision.supported(m) is None]
     peer = None
     try:
         progress("loading transformers", 0.0)
@@ -37,51 +41,65 @@ def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, A
         long = engine.encode(filler_text(prefill_len))[:prefill_len]
         engine.submit(short, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)).result()   # warm-up
         hf_generate(hf, short, 4)
-        peer, peer_reason = _open_peer(engine, config, short, prefill_len, progress)
+        peer, peer_reason = _open_peer(engine, short, prefill_len, progress)
         samples: dict[str, list[float]] = defaultdict(list)
+        sizes: dict[str, dict[str, float]] = {}
         for r in range(repeats):
             progress(f"round {r + 1}/{repeats}", r / repeats)
-            _round(engine, hf, peer, short, long, decode_tokens, samples)
-        progress("int8 paths", 0.99)
+            _round(engine, modes, hf, peer, short, long, decode_tokens, samples, sizes)
+        del hf                                  # the kernel paths' matrices need the memory
+        progress("kernel paths", 0.99)
         paths = kernel_paths.section(engine, rounds=max(3, repeats * 2))
         progress("done", 1.0)
-        inputs = {"dtype": str(engine.dtype).removeprefix("torch."), "decode_tokens": decode_tokens,
-                  "short_prompt_tokens": len(short), "prefill_tokens": len(long), "repeats": repeats, "batch": 1}
-        return {**_report(engine, config, inputs, samples, peer, peer_reason), "int8_paths": paths}
+        inputs = {"dtype": _label(engine, "none"), "decode_tokens": decode_tokens, "short_prompt_tokens": len(short),
+                  "prefill_tokens": len(long), "repeats": repeats, "batch": 1}
+        return {**_report(engine, config, inputs, modes, samples, sizes, peer, peer_reason), "kernel_paths": paths}
     finally:
         if peer:
             peer.close()
         engine.close()
 
 
-def _open_peer(engine: Engine, config: EngineConfig, short: list[int], prefill_len: int,
-               progress: Progress) -> tuple[Any, str | None]:
-    """llama.cpp on the same GGUF, warmed up, or (None, why not)."""
+def _label(engine: Engine, mode: str) -> str:
+    return str(engine.dtype).removeprefix("torch.") if mode == "none" else mode
+
+
+def _open_peer(engine: Engine, short: list[int], prefill_len: int, progress: Progress) -> tuple[Any, str | None]:
+    """llama.cpp on the same weights quantized to Q4_0 by its own quantizer, warmed up, or (None, why not)."""
     if engine.device.type != "cpu":
         return None, "the llama.cpp peer is measured on CPU only"
+    reason = llamacpp_peer.missing()
+    if reason is not None:
+        return None, reason
+    threads = torch.get_num_threads()
+    progress("preparing llama.cpp's file", 0.0)
+    try:
+        gguf = gguf_export.peer_gguf(engine.loaded, threads, lambda what: progress(what[:40], 0.0))
+    except gguf_export.ExportUnavailable as e:
+        return None, str(e)
     progress("loading llama.cpp", 0.0)
-    peer, reason = llamacpp_peer.open_peer(config.model, threads=torch.get_num_threads(),
-                                           n_ctx=max(2048, prefill_len + 64))
+    peer, reason = llamacpp_peer.open_peer(gguf, threads=threads, n_ctx=max(2048, prefill_len + 64))
     if peer:
         peer.greedy(short, 4)                                                          # warm-up
     return peer, reason
 
 
-def _round(engine: Engine, hf: Any, peer: Any, short: list[int], long: list[int], decode_tokens: int,
-           samples: dict[str, list[float]]) -> None:
-    """One interleaved round: pdchat (fp32, int8), HF and llama.cpp, decode then prefill."""
+def _round(engine: Engine, modes: list[str], hf: Any, peer: Any, short: list[int], long: list[int],
+           decode_tokens: int, samples: dict[str, list[float]], sizes: dict[str, dict[str, float]]) -> None:
+    """One interleaved round: pdchat in each weight precision, HF and llama.cpp, decode then prefill."""
     greedy = SamplingParams(max_tokens=decode_tokens + 1, temperature=0, ignore_eos=True)
-    samples["ours_decode"].append(engine.submit(short, greedy).result().metrics.decode_tok_s)
-    if engine.ops.int8_supported(engine.device):
-        engine.update(quant="int8")
-        samples["ours_int8"].append(engine.submit(short, greedy).result().metrics.decode_tok_s)
-        engine.update(quant="none")
+    once = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    for mode in modes:
+        engine.update(quant=mode)
+        sizes[mode] = {"model_mb": engine.precision.resident_bytes / 1e6,
+                       "read_mb_per_token": engine.precision.read_bytes / 1e6}
+        samples[f"{mode}_decode"].append(engine.submit(short, greedy).result().metrics.decode_tok_s)
+        m = engine.submit(long, once).result().metrics
+        samples[f"{mode}_ttft"].append(m.ttft_ms)
+        samples[f"{mode}_prefill"].append(len(long) / (m.ttft_ms / 1000))
     t1 = _timed(hf_generate, hf, short, 1)
     tn = _timed(hf_generate, hf, short, decode_tokens + 1)
     samples["hf_decode"].append(decode_tokens / (tn - t1))
-    m = engine.submit(long, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)).result().metrics
-    samples["ours_ttft"].append(m.ttft_ms)
-    samples["ours_prefill"].append(len(long) / (m.ttft_ms / 1000))
     t = _timed(hf_generate, hf, long, 1)
     samples["hf_ttft"].append(t * 1000)
     samples["hf_prefill"].append(len(long) / t)
@@ -90,27 +108,36 @@ def _round(engine: Engine, hf: Any, peer: Any, short: list[int], long: list[int]
         samples["peer_prefill"].append(peer.prefill(long))
 
 
-def _report(engine: Engine, config: EngineConfig, inputs: dict[str, Any], samples: dict[str, list[float]],
-            peer: Any, peer_reason: str | None) -> dict[str, Any]:
-    od, hd = median(samples["ours_decode"]), median(samples["hf_decode"])
-    op, hp = median(samples["ours_prefill"]), median(samples["hf_prefill"])
-    o8 = median(samples["ours_int8"]) if samples["ours_int8"] else None
-    weight_bytes = quant.decode_read_bytes(engine.loaded.model, engine.loaded.quant)
-    with quant.int8_mode(engine.loaded.quant):
-        int8_bytes = quant.decode_read_bytes(engine.loaded.model, engine.loaded.quant)
+def _report(engine: Engine, config: EngineConfig, inputs: dict[str, Any], modes: list[str],
+            samples: dict[str, list[float]], sizes: dict[str, dict[str, float]], peer: Any,
+            peer_reason: str | None) -> dict[str, Any]:
+    decode = {m: median(samples[f"{m}_decode"]) for m in modes}
+    prefill = {m: median(samples[f"{m}_prefill"]) for m in modes}
+    hd, hp = median(samples["hf_decode"]), median(samples["hf_prefill"])
+    od, op = decode["none"], prefill["none"]
+    rows = [{"weights": _label(engine, m), "decode_tok_s": decode[m], "tpot_ms": 1000 / decode[m],
+             "decode_vs_first": ratio(decode[m], od), "prefill_tok_s": prefill[m],
+             "prefill_vs_first": ratio(prefill[m], op), "ttft_ms": median(samples[f"{m}_ttft"]),
+             # every decode step reads all weights once: bytes x steps/s
+             "weight_gb_s": sizes[m]["read_mb_per_token"] * decode[m] / 1e3, **sizes[m]} for m in modes]
+    q8, q4 = decode.get("int8"), decode.get("int4")
+    slowest_prefill = min((prefill[m] for m in modes if m != "none"), default=None)
     return {
         "model": config.model, "device": str(engine.device), "inputs": inputs,
+        "precisions": {"rows": rows},
         "decode": {"pdchat_tok_s": od, "hf_tok_s": hd, "ratio": ratio(od, hd),
-                   "pdchat_tpot_ms": 1000 / od, "hf_tpot_ms": 1000 / hd,
-                   # every decode step reads all weights once: bytes x steps/s
-                   "pdchat_weight_gb_s": weight_bytes * od / 1e9, "goal": ">= 1.25x (fp32)",
+                   "pdchat_tpot_ms": 1000 / od, "hf_tpot_ms": 1000 / hd, "goal": ">= 1.25x (fp32)",
                    "met": ratio(od, hd) >= 1.25},
-        "decode_int8": {"pdchat_int8_tok_s": o8, "hf_fp32_tok_s": hd, "ratio": ratio(o8, hd),
-                        "pdchat_weight_gb_s": int8_bytes * o8 / 1e9 if o8 else None,
-                        "goal": ">= 3.5x HF fp32", "met": bool(o8 and o8 / hd >= 3.5)},
+        "decode_quantized": {"int8_vs_fp32": ratio(q8, od), "int4_vs_fp32": ratio(q4, od),
+                             "int8_vs_hf_fp32": ratio(q8, hd), "goal": "int8 >= 2x our fp32",
+                             "met": None if q8 is None else q8 / od >= 2.0},
         "prefill": {"pdchat_tok_s": op, "hf_tok_s": hp, "ratio": ratio(op, hp),
-                    "pdchat_ttft_ms": median(samples["ours_ttft"]), "hf_ttft_ms": median(samples["hf_ttft"]),
+                    "pdchat_ttft_ms": median(samples["none_ttft"]), "hf_ttft_ms": median(samples["hf_ttft"]),
                     "goal": ">= 1.0x", "met": ratio(op, hp) >= 1.0},
+        "prefill_quantized": {"slowest_vs_fp32": ratio(slowest_prefill, op),
+                              "goal": ">= 0.95x fp32 (int8 and int4)",
+                              "met": None if slowest_prefill is None else slowest_prefill / op >= 0.95},
         "llamacpp": llamacpp_peer.section(peer, peer_reason, samples["peer_decode"], samples["peer_prefill"],
-                                          int8_tok_s=o8, fp32_tok_s=od, prefill_tok_s=op),
+                                          ours_decode={_label(engine, m): decode[m] for m in modes},
+                                          prefill_tok_s=op),
     }

@@ -1,10 +1,12 @@
-"""The int8 product on every path this CPU runs (`pdchat bench baseline`'s `int8_paths` section).
+"""The quantized products on every path this CPU runs (`pdchat bench baseline`'s `kernel_paths`
+section).
 
-The engine runs the best path its build has; this times the others beside it on the loaded
-model's own weights: every product of one decode step (each linear layer once, one token), in
-fp32 and in int8 on each path, in interleaved rounds. The products are most of a decode step on
-a CPU, so their ratio says what each instruction set buys; the engine's end-to-end figure is the
-`decode_int8` section.
+The engine runs the best path its build has; this times the others beside it on matrices of the
+loaded model's shapes: every product of one decode step (each linear layer and the LM head once,
+one token), in fp32 and in int8 and int4 on each path, in interleaved rounds. The matrices are
+random (the engine holds its weights in one precision only, and the speed of a product does not
+depend on the values); the products are most of a decode step on a CPU, so their ratios say what
+each instruction set buys. The engine's end-to-end figures are the `decode` section's.
 """
 from __future__ import annotations
 
@@ -13,8 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from pdchat.engine import paths
-from pdchat.engine.quant import QuantLinear
+from pdchat.engine import paths, quant
 from pdchat.kernels import cpu
 from pdchat.bench import median, ratio
 
@@ -28,14 +29,16 @@ def _step_ms(products: Callable[[], None]) -> float:
     return (time.perf_counter() - t0) * 1000 / CALLS_PER_SAMPLE
 
 
+def step_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
+    """(out, in) of every matrix one decode step multiplies by."""
+    names = {id(m): name for name, m in quant.quantized_layers(model).items()}
+    return [model.param_shapes[names[id(m)] + ".weight"] for m in quant.step_linears(model)]
+
+
 def section(engine: Any, rounds: int) -> dict[str, Any]:
-    """Milliseconds for one decode step's products per path, or the reason there are none. Run it
-    after the engine has run int8 once (its packed weights are what is timed)."""
+    """Milliseconds for one decode step's products per path and format, or the reason there are none."""
     if engine.device.type != "cpu":
         return {"reason": "the C kernels run on CPU only"}
-    layers = [m for m in engine.loaded.model.modules() if isinstance(m, QuantLinear)]
-    if not layers or any(m.qweight is None or m.qweight.dtype != torch.uint8 for m in layers):
-        return {"reason": "no int8 weights packed for the C kernels (int8 not run, or other kernels)"}
     runnable = cpu.runnable_int8_paths()
     builds = {}
     for p in runnable:
@@ -45,13 +48,8 @@ def section(engine: Any, rounds: int) -> dict[str, Any]:
             builds[p.title] = str(e)
     ready = {title: ops for title, ops in builds.items() if isinstance(ops, cpu.CpuKernels)}
     if not ready:
-        return {"reason": "no int8 path could be built: " + "; ".join(map(str, builds.values()))}
-    x = {m: torch.randn(1, m.weight.shape[1]) for m in layers}
-    any_ops = next(iter(ready.values()))
-    runs: dict[str, Callable[[], None]] = {
-        "fp32": lambda: [any_ops.linear(x[m], m.weight) for m in layers]}
-    for title, ops in ready.items():
-        runs[title] = lambda ops=ops: [ops.linear_int8(x[m], m.qweight, m.scales) for m in layers]
+        return {"reason": "no C kernels could be built: " + "; ".join(map(str, builds.values()))}
+    runs = _products(step_shapes(engine.loaded.model), ready)
     samples: dict[str, list[float]] = {name: [] for name in runs}
     for fn in runs.values():
         fn()                                       # warm-up: caches, page faults, pool threads
@@ -64,3 +62,24 @@ def section(engine: Any, rounds: int) -> dict[str, Any]:
     return {"rows": rows, "engine_uses": cpu.int8_path(cpu.library(paths.cache_dir())).title,
             "not_built": "; ".join(f"{t}: {e}" for t, e in builds.items() if t not in ready) or None,
             "not_on_this_cpu": ", ".join(p.title for p in cpu.INT8_PATHS if p not in runnable) or None}
+
+
+def _products(shapes: list[tuple[int, int]], builds: dict[str, cpu.CpuKernels]) -> dict[str, Callable[[], None]]:
+    """One decode step's products per (path, format): fp32 once, int8 and int4 per path (int8 is
+    packed by each path's build; the int4 form is the same for all)."""
+    gen = torch.Generator().manual_seed(0)
+    fp32 = [torch.randn(n, k, generator=gen) * 0.02 for n, k in shapes]
+    x = [torch.randn(1, k, generator=gen) for _, k in shapes]
+    int8 = [quant.quantize_int8(w) for w in fp32]
+    int4 = [quant.quantize_int4(w) if quant.fits("int4", w) else None for w in fp32]
+    any_ops = next(iter(builds.values()))
+    runs: dict[str, Callable[[], None]] = {"fp32": lambda: [any_ops.linear(a, w) for a, w in zip(x, fp32)]}
+    for title, ops in builds.items():
+        packed = [ops.pack_int8(q, s, torch.float32) for q, s in int8]
+        runs[f"int8 {title}"] = lambda ops=ops, packed=packed: [
+            ops.linear_int8(a, q, s) for a, (q, s) in zip(x, packed)]
+        # A matrix too narrow for int4 runs int8, as in the engine.
+        runs[f"int4 {title}"] = lambda ops=ops, packed=packed: [
+            ops.linear_int4(a, *q4) if q4 is not None else ops.linear_int8(a, *q8)
+            for a, q4, q8 in zip(x, int4, packed)]
+    return runs

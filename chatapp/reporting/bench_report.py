@@ -56,6 +56,8 @@ def render(result: dict[str, Any], console: Console) -> None:
             for row in rows:
                 table.add_row(*(_fmt(v) for v in row.values()))
             console.print(table)
+            if data.keys() == {"rows"}:
+                continue
             table = Table(show_header=False)
         table.add_column("measure")
         table.add_column("value", justify="right", overflow="fold")     # long paths wrap, not cut

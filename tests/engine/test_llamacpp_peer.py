@@ -1,10 +1,11 @@
 """The optional llama.cpp peer of `pdchat bench baseline`: it reports "unavailable" cleanly, finds the
-same GGUF as our model (fetching it once, here faked: no network), and, where llama-cpp-python and
-the default model's GGUF are present, runs the same tokens as pdchat (nothing timed)."""
+same GGUF as our model (fetching it once, here faked: no network), exports random models to GGUF,
+and, where llama-cpp-python is present, runs the same tokens as pdchat (nothing timed)."""
 from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 import types
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pdchat.engine import SamplingParams, model_source
-from pdchat.bench import llamacpp_peer
+from pdchat.bench import gguf_export, llamacpp_peer
 
 
 @pytest.fixture
@@ -25,50 +26,53 @@ def _no_fetch(*args, **kwargs):
     raise AssertionError("tried to download")
 
 
-def test_unavailable_when_llama_cpp_is_missing(monkeypatch):
+def test_unavailable_when_llama_cpp_is_missing(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)          # `import llama_cpp` raises ImportError
-    monkeypatch.setattr(model_source, "_download_default_gguf", _no_fetch)
-    peer, reason = llamacpp_peer.open_peer("smollm2-135m", threads=2)
-    assert peer is None
+    reason = llamacpp_peer.missing()
     assert "llama-cpp-python is not installed" in reason and "pdchat[peer]" in reason
-    sec = llamacpp_peer.section(peer, reason, [], [], int8_tok_s=25.0, fp32_tok_s=14.0, prefill_tok_s=500.0)
-    assert sec["reason"] == reason and sec["goal"] == ">= 1.0x (int8 decode)"
+    peer, why = llamacpp_peer.open_peer(tmp_path / "m.gguf", threads=2)
+    assert peer is None and why == reason
+    sec = llamacpp_peer.section(peer, reason, [], [], ours_decode={"float32": 14.0, "int4": 25.0},
+                                prefill_tok_s=500.0)
+    assert sec["reason"] == reason and sec["goal"] == ">= 1.0x (int4 decode vs Q4_0)"
     assert sec["met"] is None                                     # not measured is null, never False
-    assert sec["llamacpp_decode_tok_s"] is None and sec["pdchat_int8_decode_ratio"] is None
+    assert sec["llamacpp_decode_tok_s"] is None and sec["pdchat_int4_decode_ratio"] is None
 
 
-def test_unavailable_without_a_gguf(monkeypatch, cache):
-    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace())   # "installed"
+def test_no_peer_file_without_a_gguf(monkeypatch, cache):
     monkeypatch.setattr(model_source, "_download_default_gguf", _no_fetch)
-    for spec in ("random:tiny", "Qwen/Qwen2.5-0.5B-Instruct", str(cache / "missing.gguf")):
-        peer, reason = llamacpp_peer.open_peer(spec, threads=2)
-        assert peer is None and reason.startswith(f"no GGUF for {spec!r}")
-    peer, reason = llamacpp_peer.open_peer("smollm2-135m", threads=2, fetch=False)
-    assert peer is None and "no GGUF" in reason
+    for spec in ("Qwen/Qwen2.5-0.5B-Instruct", str(cache / "missing.gguf")):
+        loaded = types.SimpleNamespace(files=types.SimpleNamespace(name=spec, random_preset=None))
+        with pytest.raises(gguf_export.ExportUnavailable, match=f"no GGUF for {re.escape(repr(spec))}"):
+            gguf_export.peer_gguf(loaded, threads=2, say=lambda m: None)
+    odd = types.SimpleNamespace(files=types.SimpleNamespace(name="random:tiny-qwen3", random_preset="tiny-qwen3"),
+                                hf_config={"model_type": "qwen3"}, seed=0)
+    with pytest.raises(gguf_export.ExportUnavailable, match="not qwen3"):
+        gguf_export.peer_gguf(odd, threads=2, say=lambda m: None)
 
 
 def test_section_ratios():
-    peer = types.SimpleNamespace(gguf=Path("m.gguf"), threads=2, version="0.3", gguf_type="MOSTLY_Q4_1")
+    peer = types.SimpleNamespace(gguf=Path("m.gguf"), threads=2, version="0.3", gguf_type="MOSTLY_Q4_0")
     Rate = llamacpp_peer.Rate
     sec = llamacpp_peer.section(peer, None, [Rate(30.0, 2.0), Rate(10.0, 1.9), Rate(20.0, 1.95)],
                                 [Rate(100.0, 2.0), Rate(300.0, 2.0), Rate(200.0, 2.0)],
-                                int8_tok_s=25.0, fp32_tok_s=10.0, prefill_tok_s=100.0)
+                                ours_decode={"float32": 10.0, "int8": 15.0, "int4": 25.0}, prefill_tok_s=100.0)
     assert sec["llamacpp_decode_tok_s"] == 20.0 and sec["llamacpp_prefill_tok_s"] == 200.0   # medians
     assert sec["llamacpp_decode_cores_busy"] == 1.95
-    assert sec["pdchat_int8_decode_ratio"] == 1.25 and sec["pdchat_fp32_decode_ratio"] == 0.5
-    assert sec["pdchat_prefill_ratio"] == 0.5
+    assert sec["pdchat_int4_decode_ratio"] == 1.25 and sec["pdchat_float32_decode_ratio"] == 0.5
+    assert sec["pdchat_int8_decode_ratio"] == 0.75 and sec["pdchat_prefill_ratio"] == 0.5
     assert sec["met"] is True and sec["reason"] is None
-    slow = llamacpp_peer.section(peer, None, [Rate(30.0, 2.0)], [Rate(100.0, 2.0)], int8_tok_s=29.0,
-                                 fp32_tok_s=10.0, prefill_tok_s=1.0)
-    assert slow["met"] is False
+    slow = llamacpp_peer.section(peer, None, [Rate(30.0, 2.0)], [Rate(100.0, 2.0)],
+                                 ours_decode={"int8": 40.0, "int4": 29.0}, prefill_tok_s=1.0)
+    assert slow["met"] is False                                   # the goal is int4's, not int8's
 
 
 def test_no_verdict_when_llama_cpp_was_starved_of_cpu():
     peer = types.SimpleNamespace(gguf=Path("m.gguf"), threads=2, version="0.3", gguf_type="MOSTLY_Q4_1")
     Rate = llamacpp_peer.Rate
     sec = llamacpp_peer.section(peer, None, [Rate(8.0, 1.1), Rate(9.0, 1.2), Rate(90.0, 2.0)], [Rate(100.0, 2.0)],
-                                int8_tok_s=43.0, fp32_tok_s=25.0, prefill_tok_s=400.0)
-    assert sec["llamacpp_decode_tok_s"] == 9.0 and sec["pdchat_int8_decode_ratio"] > 1   # reported as measured
+                                ours_decode={"int4": 43.0}, prefill_tok_s=400.0)
+    assert sec["llamacpp_decode_tok_s"] == 9.0 and sec["pdchat_int4_decode_ratio"] > 1   # reported as measured
     assert sec["met"] is None and "1.20 of its 2" in sec["reason"]                       # but no verdict
 
 
@@ -124,6 +128,10 @@ def test_baseline_reports_the_skipped_peer(monkeypatch):
     sec = result["llamacpp"]
     assert sec["met"] is None and "not installed" in sec["reason"]
     assert result["decode"]["pdchat_tok_s"] > 0 and result["prefill"]["hf_tok_s"] > 0   # the rest still ran
+    rows = {row["weights"]: row for row in result["precisions"]["rows"]}
+    assert set(rows) == {"float32", "int8", "int4"}                                   # every precision ran
+    assert rows["int4"]["model_mb"] < rows["int8"]["model_mb"] < rows["float32"]["model_mb"]
+    assert result["decode_quantized"]["int4_vs_fp32"] == rows["int4"]["decode_tok_s"] / rows["float32"]["decode_tok_s"]
 
 
 def model_config(model: str):
@@ -138,7 +146,7 @@ HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 def test_peer_runs_the_same_tokens_as_pdchat(default_engine):
     if model_source.source_gguf("smollm2-135m", fetch=False) is None:
         pytest.skip("the default model's GGUF is not in the cache (fetched by `pdchat bench baseline`)")
-    peer, reason = llamacpp_peer.open_peer("smollm2-135m", threads=2, fetch=False)
+    peer, reason = llamacpp_peer.open_peer(model_source.source_gguf("smollm2-135m", fetch=False), threads=2)
     assert peer is not None, reason
     try:
         assert peer.gguf_type == "MOSTLY_Q4_1" and peer.threads == 2
@@ -160,5 +168,54 @@ def test_peer_runs_the_same_tokens_as_pdchat(default_engine):
 def test_a_file_llama_cpp_rejects_gives_a_reason(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
-    peer, reason = llamacpp_peer.open_peer(str(bad), threads=1)
+    peer, reason = llamacpp_peer.open_peer(bad, threads=1)
     assert peer is None and reason.startswith(f"llama.cpp could not load {bad}")
+
+
+def _random_engine(preset: str):
+    from pdchat.engine import Engine, EngineConfig
+    return Engine(EngineConfig(model=f"random:{preset}", device="cpu", kv_cache_mb=16), say=lambda m: None)
+
+
+PROMPT = [(7 * i + 3) % 250 for i in range(300)]     # past tiny-llama3's original 256 positions
+
+
+@pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed (optional peer)")
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama3", "tiny-qwen2"])
+def test_an_exported_random_model_computes_what_ours_does(preset, tmp_path):
+    """The export lays the weights out as llama.cpp reads them (names, RoPE row order, llama-3
+    frequency factors, biases, a tied head): from the float16 file, llama.cpp's greedy tokens are ours."""
+    engine = _random_engine(preset)
+    try:
+        gguf = tmp_path / "model.gguf"
+        gguf_export._write_f16(engine.loaded, engine.loaded.hf_config["model_type"], gguf)
+        ours = engine.submit(PROMPT, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)).result().token_ids
+    finally:
+        engine.close()
+    peer, reason = llamacpp_peer.open_peer(gguf, threads=1)
+    assert peer is not None, reason
+    try:
+        assert peer.gguf_type == "MOSTLY_F16"
+        assert peer.greedy(PROMPT, 8) == ours
+    finally:
+        peer.close()
+
+
+@pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed (optional peer)")
+def test_the_peer_file_is_quantized_by_llama_cpp_once(monkeypatch, tmp_path):
+    monkeypatch.setenv("PDCHAT_CACHE_DIR", str(tmp_path))
+    engine = _random_engine("tiny-llama3")
+    said = []
+    try:
+        gguf = gguf_export.peer_gguf(engine.loaded, threads=1, say=said.append)
+        assert gguf_export.peer_gguf(engine.loaded, threads=1, say=said.append) == gguf and len(said) == 2  # once
+    finally:
+        engine.close()
+    assert gguf.name == "tiny-llama3-seed0.Q4_0.gguf"
+    assert [p.name for p in gguf.parent.iterdir()] == [gguf.name]              # the float16 file is gone
+    peer, reason = llamacpp_peer.open_peer(gguf, threads=1)
+    assert peer is not None, reason
+    try:
+        assert peer.gguf_type == "MOSTLY_Q4_0" and len(peer.greedy(PROMPT, 4)) == 4
+    finally:
+        peer.close()

@@ -1,0 +1,178 @@
+"""A `random:<preset>` model as a GGUF that llama.cpp runs, quantized by llama.cpp's own quantizer:
+the llama.cpp peer of `pdchat bench baseline` on the same weights as ours. A model converted
+from a GGUF (the default model) is requantized from that file instead.
+
+The weights are written in float16 as llama.cpp's converter lays them out (its names; for the
+llama architecture the q/k rows reordered for its interleaved RoPE; llama-3 RoPE scaling as
+per-frequency factors), then `llama_model_quantize` makes the Q4_0 file and the float16 one is
+deleted. The vocabulary is a placeholder of the model's size (the bench feeds token ids, never
+text): the 256 byte tokens, then named tokens. Files are cached by preset and seed.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from pdchat.engine.loader import LoadedModel, load_hf_state_dict
+from pdchat.engine.model_source import source_gguf
+from pdchat.engine.paths import cache_dir
+
+ARCHITECTURES = ("llama", "mistral", "qwen2")     # what the export knows how to lay out
+QUANT_TYPE = "Q4_0"
+HF_TO_GGUF = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down"}
+
+
+class ExportUnavailable(RuntimeError):
+    """No peer file can be made here (no GGUF of a real model, an architecture the export does not
+    lay out, no llama.cpp quantizer)."""
+
+
+def peer_gguf(loaded: LoadedModel, threads: int, say: Callable[[str], None]) -> Path:
+    """The model's weights as a Q4_0 GGUF made by llama.cpp's quantizer, once (cached): a random
+    model exported first; a model converted from a GGUF (the default model) requantized from that
+    file, its real vocabulary kept."""
+    files = loaded.files
+    folder = cache_dir() / "gguf"
+    folder.mkdir(parents=True, exist_ok=True)
+    if files.random_preset is None:
+        source = source_gguf(files.name, say=say)
+        if source is None:
+            raise ExportUnavailable(f"no GGUF for {files.name!r} (llama.cpp reads GGUF only; pass --model FILE.gguf)")
+        st = source.stat()
+        key = hashlib.sha1(f"{source.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:10]
+        out = folder / f"{source.stem}-{key}.{QUANT_TYPE}.gguf"
+        if not out.is_file():
+            say(f"quantizing {source.name} to {QUANT_TYPE} with llama.cpp's quantizer (once)…")
+            _quantize(source, out, threads)
+        return out
+    arch = loaded.hf_config["model_type"]
+    if arch not in ARCHITECTURES:
+        raise ExportUnavailable(f"the GGUF export lays out {', '.join(ARCHITECTURES)}, not {arch}")
+    out = folder / f"{files.random_preset}-seed{loaded.seed}.{QUANT_TYPE}.gguf"
+    if not out.is_file():
+        f16 = out.with_suffix(".f16.partial")
+        try:
+            say(f"writing {files.name} as GGUF for llama.cpp (once)…")
+            _write_f16(loaded, arch, f16)
+            say(f"quantizing it to {QUANT_TYPE} with llama.cpp's quantizer…")
+            _quantize(f16, out, threads)
+        finally:
+            f16.unlink(missing_ok=True)
+    return out
+
+
+def _write_f16(loaded: LoadedModel, arch: str, path: Path) -> None:
+    import gguf
+    cfg, hf_cfg = loaded.config, loaded.hf_config
+    gguf_arch = "llama" if arch == "mistral" else arch
+    writer = gguf.GGUFWriter(str(path), gguf_arch)
+    writer.add_name(loaded.files.name)
+    writer.add_context_length(cfg.max_position)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    _add_vocab(writer, gguf, cfg.vocab_size, hf_cfg)
+    for name, tensor in _gguf_tensors(loaded, arch):
+        writer.add_tensor(name, tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _add_vocab(writer: Any, gguf: Any, size: int, hf_cfg: dict[str, Any]) -> None:
+    """A SentencePiece-style placeholder vocabulary: llama.cpp insists on the byte tokens."""
+    eos = hf_cfg.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) else eos
+    bos = hf_cfg.get("bos_token_id")
+    tokens = [f"<0x{i:02X}>" for i in range(256)] + [f"<t{i}>" for i in range(256, size)]
+    types = [gguf.TokenType.BYTE] * 256 + [gguf.TokenType.NORMAL] * (size - 256)
+    for special in (bos, eos):
+        if special is not None and 256 <= special < size:
+            types[special] = gguf.TokenType.CONTROL
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * size)
+    writer.add_token_types(types)
+    if bos is not None:
+        writer.add_bos_token_id(bos)
+    if eos is not None:
+        writer.add_eos_token_id(eos)
+    writer.add_add_bos_token(False)
+
+
+def _gguf_tensors(loaded: LoadedModel, arch: str) -> Iterator[tuple[str, np.ndarray]]:
+    """(GGUF name, array) for every weight: matrices float16, norms and biases float32."""
+    cfg = loaded.config
+    state = load_hf_state_dict(loaded.files, torch.device("cpu"), torch.float32, loaded.seed)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    for hf_name in list(state.keys()):
+        tensor = state[hf_name]
+        name = names.get(hf_name) or _layer_name(hf_name)
+        if arch != "qwen2" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = cfg.num_heads if "attn_q" in name else cfg.num_kv_heads
+            tensor = _interleave_rope_rows(tensor, heads)
+        matrix = tensor.dim() == 2
+        yield name, tensor.to(torch.float16 if matrix else torch.float32).numpy()
+    factors = _rope_factors(cfg)
+    if factors is not None:
+        yield "rope_freqs.weight", factors
+
+
+def _layer_name(hf_name: str) -> str:
+    """model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight"""
+    _, _, index, rest = hf_name.split(".", 3)
+    for hf, ours in HF_TO_GGUF.items():
+        if rest.startswith(hf):
+            return f"blk.{index}.{ours}{rest[len(hf):]}"
+    raise ExportUnavailable(f"no GGUF name for {hf_name}")
+
+
+def _interleave_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Hugging Face rotates the two halves of each head; llama.cpp's llama RoPE rotates adjacent
+    pairs: the same function once each head's rows are reordered."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _rope_factors(cfg: Any) -> np.ndarray | None:
+    """llama-3 RoPE scaling as llama.cpp reads it: base frequency / scaled frequency, per pair."""
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "llama3":
+        return None
+    dim = cfg.head_dim
+    base = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return (base / cfg.rope_inv_freq()).float().numpy()
+
+
+def _quantize(src: Path, dst: Path, threads: int) -> None:
+    try:
+        import llama_cpp
+    except (ImportError, OSError, RuntimeError) as e:
+        raise ExportUnavailable(f"llama-cpp-python is not installed ({e})") from None
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{QUANT_TYPE}")
+    params.nthread = threads
+    params.allow_requantize = True              # a GGUF that is already quantized (Q4_1, …)
+    partial = dst.with_suffix(".partial")
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(partial).encode(), ctypes.byref(params)) != 0:
+        partial.unlink(missing_ok=True)
+        raise ExportUnavailable(f"llama.cpp's quantizer failed on {src}")
+    partial.replace(dst)                        # atomic: never a half-written file under the final name
