@@ -237,9 +237,10 @@ class Transformer(nn.Module):
 
         embed = take("model.embed_tokens.weight")
         yield "embed.weight", embed
-        yield "norm.weight", take("model.norm.weight")
         if not cfg.tie_embeddings:
             yield "lm_head.weight", take("lm_head.weight") if "lm_head.weight" in hf else embed
+        del embed        # a 128K-token vocabulary is 1 GB in fp32: never held through the whole load
+        yield "norm.weight", take("model.norm.weight")
         for i in range(cfg.num_layers):
             p, a = f"model.layers.{i}.", f"layers.{i}."
             attn = p + "self_attn."

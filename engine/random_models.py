@@ -98,8 +98,10 @@ def random_weights(cfg: dict[str, Any], seed: int = 0, device: str | torch.devic
     random_state_dict, without holding them all)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, shape, std, offset in weight_specs(cfg):
-        t = torch.randn(*shape, generator=gen, device=device, dtype=dtype) * std
-        yield name, (t + offset if offset else t)
+        # In place: `randn * std` held a second copy of each tensor (2 GB for an 8B embedding).
+        t = torch.randn(*shape, generator=gen, device=device, dtype=dtype).mul_(std)
+        yield name, (t.add_(offset) if offset else t)
+        del t             # not held while the next one is generated
 
 
 def random_state_dict(cfg: dict[str, Any], seed: int = 0, device: str | torch.device = "cpu",
