@@ -67,7 +67,9 @@ def measure(engine: Engine, workloads: dict[str, list[str]], max_tokens: int, pr
             rate, accept, mean_len = _decode_rate(engine, prompts, params, spec=True)
             rows.append({"workload": name, "method": "self-draft (int8)" if method == "draft" else method,
                          "tok_s_off": base[0], "tok_s_on": rate, "speedup": ratio(rate, base[0]),
-                         "acceptance": accept, "accepted_per_step": mean_len})
+                         "acceptance": accept, "accepted_per_step": mean_len,
+                         # the engine stops a method that measurably does not pay (spec_payoff.py)
+                         "turned_itself_off": engine.config.spec == "off"})
             done += 1
     engine.update(spec="off")
     return rows

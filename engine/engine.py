@@ -56,7 +56,8 @@ class Engine:
         self.dtype = pick_dtype(cfg.dtype, self.device)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        self.notices: list[str] = []             # things a UI should tell the user once
+        self.notices: list[str] = []             # things a UI should tell the user once (take_notices)
+        self._notices_taken = 0
         self.ops = kernel_backend(cfg.kernels, self.device, self.dtype, self.notices)
         self.files = resolve(cfg.model, say)
         say(f"loading {cfg.model} on {self.device} ({str(self.dtype).removeprefix('torch.')})…")
@@ -150,6 +151,14 @@ class Engine:
             finally:
                 self.blocks.free_seq(seq)
 
+    def take_notices(self) -> list[str]:
+        """The notices not taken yet, each once: fallbacks at load, and settings the engine
+        changed itself at run time (speculation that did not pay, a self-draft refused beside new
+        weights), in words for the user."""
+        taken = self.notices[self._notices_taken:]
+        self._notices_taken += len(taken)
+        return taken
+
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> StepPlan:
         """One step on the loop thread: schedule -> propose -> run -> sample -> post-process.
@@ -172,10 +181,16 @@ class Engine:
         except Exception as e:
             self.outputs.fail([item.seq for item in plan.items], e)
             return plan
+        made_before = sum(item.seq.num_output_tokens for item in plan.items)
         sampled = self._sample(plan, out, drafts)
         self.outputs.process(plan, out, drafts, reserved, sampled, self._generator)
-        self.meter.record(plan, sum(len(d.tokens) for d in drafts.values()), time.perf_counter() - t0,
-                          self.precision.read_bytes)
+        seconds = time.perf_counter() - t0
+        self.meter.record(plan, sum(len(d.tokens) for d in drafts.values()), seconds, self.precision.read_bytes)
+        made = sum(item.seq.num_output_tokens for item in plan.items) - made_before
+        reason = self.speculative.measured(plan.items, bool(drafts), made, seconds)
+        if reason is not None:
+            self.notices.append(f"speculative decoding turned off: {reason}")
+            self._set_spec("off")
         return plan
 
     def _sample(self, plan: StepPlan, out: StepLogits, drafts: dict[int, Draft]) -> dict[int, list[int]]:

@@ -127,6 +127,11 @@ class Backend(abc.ABC):
     def update(self, **toggles: Any) -> None:
         """Apply toggles (names of Toggles fields) to new requests."""
 
+    def notices(self) -> list[str]:
+        """What the engine changed itself or could not do since the last call, in words, each
+        once (the engine's settings in force are in stats())."""
+        return []
+
     def run_lab(self, progress: Callable[[str, float], None], quick: bool = False) -> dict[str, Any]:
         """Run `pdchat bench lab` (its quick sizes if `quick`) on this backend's model (only where
         capabilities["lab"])."""

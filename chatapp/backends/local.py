@@ -54,7 +54,7 @@ class LocalBackend(Backend):
         from pdchat.engine import Engine, EngineConfig
         self.engine = Engine(EngineConfig(model=self.model, device=self.device, dtype=self.dtype,
                                           **self.engine_options), say=progress)
-        for notice in self.engine.notices:
+        for notice in self.engine.take_notices():
             progress(notice)
         progress(f"{self.model} ready on {self.engine.device}")
 
@@ -107,6 +107,9 @@ class LocalBackend(Backend):
         if self.engine is None:
             return {}
         return self.engine.stats().to_dict()
+
+    def notices(self) -> list[str]:
+        return self.engine.take_notices() if self.engine is not None else []
 
     def update(self, **toggles: Any) -> None:
         engine = self._engine()

@@ -19,7 +19,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args)
     params = sampling_params(args)
     with Engine(engine_config(args), telemetry=False) as engine:
-        for notice in engine.notices:
+        for notice in engine.take_notices():
             print(f"pdchat: note: {notice}", file=sys.stderr)
         stream = engine.submit(prompt, params, system=getattr(args, "system", None))
         completion = None

@@ -13,6 +13,8 @@ from pdchat.engine import settings as declared
 if TYPE_CHECKING:
     from pdchat.chatapp.tui.app import PdchatApp
 
+ENGINE_DECIDES = ("spec", "quant")      # toggles the engine may change itself, with a notice
+
 
 class ToggleControl:
     def __init__(self, app: "PdchatApp"):
@@ -44,6 +46,16 @@ class ToggleControl:
             app.notify(f"{said}: applies to the next reply.")
         app.chat.refresh_panel()
         return True
+
+    def follow_engine(self, stats: dict[str, Any]) -> None:
+        """The engine changed a toggle itself (speculation that did not pay here, a self-draft
+        refused beside quantized weights; its notice says why): the toggles and the panel follow.
+        Not saved: the saved toggles stay the user's choice, and the engine decides again."""
+        app = self.app
+        changed = {k: stats[k] for k in ENGINE_DECIDES if k in stats and stats[k] != getattr(app.toggles, k)}
+        if changed and self.compare_restore is None:
+            app.toggles = Toggles.from_dict({**app.toggles.to_dict(), **changed})
+            app.chat.query_one(TogglesBox).set_values(app.toggles)
 
     async def flip(self, name: str) -> None:
         """Turn a toggle on or off (a number that can be off goes back to its default when on)."""

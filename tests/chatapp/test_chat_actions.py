@@ -191,6 +191,28 @@ async def test_unavailable_feature_is_shown_and_refused(make_app):
         assert backend.updates == [] and app.toggles.spec == "off"
 
 
+async def test_a_toggle_the_engine_turns_off_itself_follows_with_its_reason(make_app):
+    backend = FakeBackend()
+    app = make_app(backend)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        assert await app.apply_toggles({"spec": "draft"})
+        await pilot.pause()                                          # the toggle box has shown it
+        saved = app.store.get_setting("toggles")
+        backend.decide("speculative decoding turned off: self-draft decoded 20.0 tok/s per request against 30.0",
+                       spec="off")
+        app.chat.refresh_panel()
+        await pilot.pause()
+        assert app.toggles.spec == "off"
+        assert app.chat.query_one("#tg-spec").value == "off"
+        assert backend.updates == [{"spec": "draft"}]                 # following sends nothing back
+        said = [n.message for n in app._notifications if n.severity == "warning"]
+        assert said == ["speculative decoding turned off: self-draft decoded 20.0 tok/s per request against 30.0"]
+        assert app.store.get_setting("toggles") == saved            # the user's choice stays saved
+        app.chat.refresh_panel()                                     # each notice is told once
+        assert len([n for n in app._notifications if n.severity == "warning"]) == 1
+
+
 async def test_switching_conversations(make_app):
     backend = FakeBackend(replies=["reply A", "reply B"])
     app = make_app(backend)

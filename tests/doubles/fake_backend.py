@@ -172,6 +172,7 @@ class FakeBackend(Backend):
         self.toggles: dict[str, Any] = {"kv_cache": True, "prefix_cache": True, "chunk_size": 256,
                                         "spec": "off", "quant": "none", "neighbours": 0}
         self.updates: list[dict[str, Any]] = []
+        self._notices: list[str] = []
         self.requests: list[tuple[list[dict[str, str]], Settings]] = []
         self.generations: list[FakeGeneration] = []
         self.running = 0
@@ -224,6 +225,15 @@ class FakeBackend(Backend):
         self.updates.append(dict(toggles))
         self.toggles.update(toggles)
 
+    def decide(self, notice: str, **toggles: Any) -> None:
+        """Change toggles as the engine does itself (speculation that does not pay), with its notice."""
+        self.toggles.update(toggles)
+        self._notices.append(notice)
+
+    def notices(self) -> list[str]:
+        taken, self._notices = self._notices, []
+        return taken
+
     def now(self) -> float:
         return self.clock.t
 
@@ -238,7 +248,8 @@ class FakeBackend(Backend):
             "step_ms": 32.0 if self.running else None, "step_prefill_tokens": 0,
             "step_decode_tokens": self.running, "prefix_hit_rate": 0.25,
             "prefix_cache": self.toggles["prefix_cache"], "kv_cache": self.toggles["kv_cache"],
-            "chunk_size": self.toggles["chunk_size"], "weight_bytes": 269 * MB, "model_bytes": 538 * MB,
+            "chunk_size": self.toggles["chunk_size"], "spec": self.toggles["spec"], "quant": self.toggles["quant"],
+            "weight_bytes": 269 * MB, "model_bytes": 538 * MB,
         }
         if self.gpu:
             s.update(device="cuda:0", device_name="NVIDIA H100 80GB HBM3", device_util_pct=87.0,

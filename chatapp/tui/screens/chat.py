@@ -236,8 +236,12 @@ class ChatScreen(ChatActions, CompareActions, Screen):
         live = self.live.get(self.conv_id) if self.conv_id is not None else None
         try:
             stats = self.backend.stats() if self.app.ready else {}
+            notices = self.backend.notices() if self.app.ready else []
         except Exception:
-            stats = {}
+            stats, notices = {}, []
+        for notice in notices:
+            self.app.notify(notice, severity="warning", timeout=15)
+        self.app.toggle_control.follow_engine(stats)
         last = self.last_metrics()
         snap = live.snapshot() if live else None
         tokens = 0
