@@ -10,8 +10,9 @@ text): the 256 byte tokens, then named tokens. Files are cached by preset and se
 """
 from __future__ import annotations
 
-import ctypes
 import hashlib
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -162,17 +163,27 @@ def _rope_factors(cfg: Any) -> np.ndarray | None:
     return (base / cfg.rope_inv_freq()).float().numpy()
 
 
+# Run apart: llama.cpp's quantizer logs every tensor to stderr (it would tear the bench's
+# progress bar and the app), and its library stays out of our process.
+_QUANTIZE = """
+import ctypes, sys
+import llama_cpp
+src, dst, threads, ftype = sys.argv[1:]
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = getattr(llama_cpp, "LLAMA_FTYPE_MOSTLY_" + ftype)
+params.nthread = int(threads)
+params.allow_requantize = True          # a GGUF that is already quantized (Q4_1, ...)
+sys.exit(llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params)))
+"""
+
+
 def _quantize(src: Path, dst: Path, threads: int) -> None:
-    try:
-        import llama_cpp
-    except (ImportError, OSError, RuntimeError) as e:
-        raise ExportUnavailable(f"llama-cpp-python is not installed ({e})") from None
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{QUANT_TYPE}")
-    params.nthread = threads
-    params.allow_requantize = True              # a GGUF that is already quantized (Q4_1, …)
     partial = dst.with_suffix(".partial")
-    if llama_cpp.llama_model_quantize(str(src).encode(), str(partial).encode(), ctypes.byref(params)) != 0:
+    done = subprocess.run([sys.executable, "-c", _QUANTIZE, str(src), str(partial), str(threads), QUANT_TYPE],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
         partial.unlink(missing_ok=True)
-        raise ExportUnavailable(f"llama.cpp's quantizer failed on {src}")
+        if "No module named 'llama_cpp'" in done.stderr:
+            raise ExportUnavailable("llama-cpp-python is not installed")
+        raise ExportUnavailable(f"llama.cpp's quantizer failed on {src}: {done.stderr.strip()[-400:]}")
     partial.replace(dst)                        # atomic: never a half-written file under the final name

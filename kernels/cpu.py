@@ -18,10 +18,10 @@ import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from . import reference
 
@@ -32,6 +32,7 @@ HEADERS = (Path(__file__).with_name("cpu_pool.h"),)
 CODE_FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno")
 FLAGS = (*CODE_FLAGS, "-march=native", "-shared", "-fPIC")      # the library for this machine
 LINEAR_MAX_ROWS = 40       # above this BLAS's matrix-matrix products win (measured, README)
+UNPACK_FLOATS = 1 << 22    # quantized weights unpacked for BLAS this many at a time (16 MB, one buffer)
 QBLOCK = 64                # activation quantization block of the int8 product (cpu_kernels.c)
 
 
@@ -198,6 +199,7 @@ class CpuKernels:
 
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
+        self._slice: torch.Tensor | None = None     # unpacked weights for long prefills (_blas_by_slices)
 
     # -- helpers -------------------------------------------------------------------------------
     @staticmethod
@@ -211,6 +213,23 @@ class CpuKernels:
     def _rows(t: torch.Tensor) -> bool:
         """Rows of contiguous [.., D] blocks at any row stride (views into a fused projection)."""
         return t.stride(-1) == 1 and (t.dim() == 2 or t.stride(1) == t.shape[2])
+
+    def _blas_by_slices(self, x: torch.Tensor, N: int, unpack: Callable[[int, int, torch.Tensor], None],
+                        bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ W^T (+ bias) with BLAS, W unpacked from its quantized form UNPACK_FLOATS at a time
+        into one buffer kept for the next call: unpacking a whole matrix into new memory per call
+        (page faults on hundreds of MB) took 3x the product itself (measured, README)."""
+        K = x.shape[1]
+        rows = max(1, min(N, UNPACK_FLOATS // K))
+        if self._slice is None or self._slice.numel() < rows * K:
+            self._slice = torch.empty(rows * K)
+        y = x.new_empty(x.shape[0], N)
+        for n0 in range(0, N, rows):
+            n1 = min(N, n0 + rows)
+            w = self._slice[:(n1 - n0) * K].view(n1 - n0, K)
+            unpack(n0, n1, w)
+            torch.mm(x, w.t(), out=y[:, n0:n1])
+        return y.add_(bias) if bias is not None else y
 
     # -- matrix products -------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -239,10 +258,10 @@ class CpuKernels:
         if packed.dtype != torch.uint8 or not self._ok(x, bias):
             return reference.linear_int8(x, packed, scales, bias)
         if x.shape[0] > LINEAR_MAX_ROWS:
-            # A long prefill is compute-bound: BLAS on the weights dequantized for this call
-            # beats the integer kernel's per-row dot products there (measured, README).
-            q, fp_scales = self.unpack_int8(packed, scales)
-            return F.linear(x, q.to(x.dtype) * fp_scales[:, None], bias)
+            # A long prefill is compute-bound: BLAS beats the integer kernel there (measured, README).
+            def unpack(n0: int, n1: int, out: torch.Tensor) -> None:
+                out.copy_((packed[n0:n1] ^ 0x80).view(torch.int8)).mul_(scales[n0:n1, None])
+            return self._blas_by_slices(x, packed.shape[0], unpack, bias)
         x = x.contiguous()
         y = x.new_empty(x.shape[0], packed.shape[0])
         status = self.lib.pd_linear_u8(x.data_ptr(), packed.data_ptr(), scales.data_ptr(),
@@ -258,12 +277,12 @@ class CpuKernels:
             return reference.linear_int4(x, packed, params, bias)
         N, K = packed.shape[0], packed.shape[1] * 2
         if x.shape[0] > LINEAR_MAX_ROWS:
-            # As for int8: BLAS on weights unpacked for this call (in C, on the pool: torch's
-            # element-wise unpacking took longer than the product).
-            weight = x.new_empty(N, K)
-            self.lib.pd_unpack_q4(packed.data_ptr(), params.data_ptr(), weight.data_ptr(), N, K,
-                                  torch.get_num_threads())
-            return F.linear(x, weight, bias)
+            # As for int8, unpacked in C on the pool (torch's element-wise unpacking took longer
+            # than the product).
+            def unpack(n0: int, n1: int, out: torch.Tensor) -> None:
+                self.lib.pd_unpack_q4(packed[n0].data_ptr(), params[n0].data_ptr(), out.data_ptr(), n1 - n0, K,
+                                      torch.get_num_threads())
+            return self._blas_by_slices(x, N, unpack, bias)
         x = x.contiguous()
         y = x.new_empty(x.shape[0], N)
         status = self.lib.pd_linear_q4(x.data_ptr(), packed.data_ptr(), params.data_ptr(),

@@ -365,78 +365,104 @@ static void quantize_q4_blocks(const float *x, int M, int K, int8_t *q, float *x
         }
 }
 
-/* The dot product of one weight row (wr, its params pr) with one activation row, ng groups. */
+/* sum_g dw[g] * xs[r, g] * <u_g, xq_rg> for one weight row (wr, its scales dw as floats) and
+ * R <= Q4_TILE activation rows (x, xs, rows K apart), ng groups, into out[R]. Each group of
+ * weights is unpacked once for all R rows and its scale read once: a chunked prefill multiplies
+ * 32 rows by every matrix, and per-row unpacking and scalar scale arithmetic made int4 prefill
+ * slower than fp32. Called with R constant, the row loops unroll into registers. The offset
+ * part, sum_g m[g] * xsum[r, g], is a plain float dot product (q4_rows). */
+#define Q4_TILE 4
 #if PDCHAT_INT8_PATH == PD_INT8_AVX512VNNI
-static inline float dot_q4_groups(const uint8_t *wr, const uint16_t *pr, const int8_t *x, const float *xs,
-                                  const float *xsum, int ng) {
+/* Two adjacent floats (two groups' scales) spread over a 512-bit register: lanes 0-7 the first,
+ * 8-15 the second, as the two groups lie in a product. */
+static inline __m512 spread_pair(const float *p) {
+    double both;
+    memcpy(&both, p, sizeof both);
+    const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(pair, _mm512_castpd_ps(_mm512_set1_pd(both)));
+}
+
+static inline void dot_q4_rows(const uint8_t *wr, const float *dw, const int8_t *x, const float *xs,
+                               int ng, int K, int R, float *out) {
     const __m256i nibble = _mm256_set1_epi8(0x0f);
-    __m512 f = _mm512_setzero_ps();
-    float off = 0.f;
+    __m512 f[Q4_TILE];
+    for (int r = 0; r < R; r++)
+        f[r] = _mm512_setzero_ps();
     for (int g = 0; g < ng; g += 2) {          /* two groups (64 weights) per 512-bit product */
         __m256i p = _mm256_loadu_si256((const __m256i *)(wr + g * Q4_GROUP_BYTES));
         __m256i lo = _mm256_and_si256(p, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), nibble);
         __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
                                        _mm256_permute2x128_si256(lo, hi, 0x31), 1);
-        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(x + g * Q4_GROUP));
-        /* insertf64x4, not insertf32x8: the latter is AVX-512 DQ, which this path does not require */
-        __m512 scale = _mm512_castpd_ps(_mm512_insertf64x4(
-            _mm512_castps_pd(_mm512_set1_ps(bf16_to_f32(pr[2 * g]) * xs[g])),
-            _mm256_castps_pd(_mm256_set1_ps(bf16_to_f32(pr[2 * g + 2]) * xs[g + 1])), 1));
-        f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, f);
-        off += bf16_to_f32(pr[2 * g + 1]) * xsum[g] + bf16_to_f32(pr[2 * g + 3]) * xsum[g + 1];
+        __m512 d = spread_pair(dw + g);
+        for (int r = 0; r < R; r++) {
+            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u,
+                                              _mm512_loadu_si512(x + (int64_t)r * K + g * Q4_GROUP));
+            f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, spread_pair(xs + r * ng + g)), f[r]);
+        }
     }
-    return _mm512_reduce_add_ps(f) + off;
+    for (int r = 0; r < R; r++)
+        out[r] = _mm512_reduce_add_ps(f[r]);
 }
 #elif PDCHAT_INT8_PATH == PD_INT8_AVXVNNI || PDCHAT_INT8_PATH == PD_INT8_AVX2
-static inline float dot_q4_groups(const uint8_t *wr, const uint16_t *pr, const int8_t *x, const float *xs,
-                                  const float *xsum, int ng) {
+static inline void dot_q4_rows(const uint8_t *wr, const float *dw, const int8_t *x, const float *xs,
+                               int ng, int K, int R, float *out) {
     const __m128i nibble = _mm_set1_epi8(0x0f);
-    __m256 f = _mm256_setzero_ps();
-    float off = 0.f;
+    __m256 f[Q4_TILE];
+    for (int r = 0; r < R; r++)
+        f[r] = _mm256_setzero_ps();
     for (int g = 0; g < ng; g++) {
         __m128i p = _mm_loadu_si128((const __m128i *)(wr + g * Q4_GROUP_BYTES));
         __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), nibble), _mm_and_si128(p, nibble));
-        __m256i xq = _mm256_loadu_si256((const __m256i *)(x + g * Q4_GROUP));
+        __m256 d = _mm256_set1_ps(dw[g]);
+        for (int r = 0; r < R; r++) {
+            __m256i xq = _mm256_loadu_si256((const __m256i *)(x + (int64_t)r * K + g * Q4_GROUP));
 #if PDCHAT_INT8_PATH == PD_INT8_AVXVNNI
-        __m256i d = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, xq);
+            __m256i dot = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, xq);
 #else
-        __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(u, xq), _mm256_set1_epi16(1));
+            __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(u, xq), _mm256_set1_epi16(1));
 #endif
-        f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(bf16_to_f32(pr[2 * g]) * xs[g]), f);
-        off += bf16_to_f32(pr[2 * g + 1]) * xsum[g];
+            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(xs[r * ng + g])), f[r]);
+        }
     }
-    return sum8(f) + off;
+    for (int r = 0; r < R; r++)
+        out[r] = sum8(f[r]);
 }
 #elif PDCHAT_INT8_PATH == PD_INT8_NEON_DOT
-static inline float dot_q4_groups(const uint8_t *wr, const uint16_t *pr, const int8_t *x, const float *xs,
-                                  const float *xsum, int ng) {
+static inline void dot_q4_rows(const uint8_t *wr, const float *dw, const int8_t *x, const float *xs,
+                               int ng, int K, int R, float *out) {
     const uint8x16_t nibble = vdupq_n_u8(0x0f);
-    float32x4_t f = vdupq_n_f32(0.f);
-    float off = 0.f;
+    float32x4_t f[Q4_TILE];
+    for (int r = 0; r < R; r++)
+        f[r] = vdupq_n_f32(0.f);
     for (int g = 0; g < ng; g++) {
         uint8x16_t p = vld1q_u8(wr + g * Q4_GROUP_BYTES);
-        const int8_t *xg = x + g * Q4_GROUP;
-        int32x4_t d = vdotq_s32(vdupq_n_s32(0), vreinterpretq_s8_u8(vandq_u8(p, nibble)), vld1q_s8(xg));
-        d = vdotq_s32(d, vreinterpretq_s8_u8(vshrq_n_u8(p, 4)), vld1q_s8(xg + 16));
-        f = vfmaq_n_f32(f, vcvtq_f32_s32(d), bf16_to_f32(pr[2 * g]) * xs[g]);
-        off += bf16_to_f32(pr[2 * g + 1]) * xsum[g];
+        int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(p, nibble)), hi = vreinterpretq_s8_u8(vshrq_n_u8(p, 4));
+        for (int r = 0; r < R; r++) {
+            const int8_t *xg = x + (int64_t)r * K + g * Q4_GROUP;
+            int32x4_t dot = vdotq_s32(vdotq_s32(vdupq_n_s32(0), lo, vld1q_s8(xg)), hi, vld1q_s8(xg + 16));
+            f[r] = vfmaq_n_f32(f[r], vcvtq_f32_s32(dot), dw[g] * xs[r * ng + g]);
+        }
     }
-    return vaddvq_f32(f) + off;
+    for (int r = 0; r < R; r++)
+        out[r] = vaddvq_f32(f[r]);
 }
 #else
-static inline float dot_q4_groups(const uint8_t *wr, const uint16_t *pr, const int8_t *x, const float *xs,
-                                  const float *xsum, int ng) {
-    float f = 0.f;
-    for (int g = 0; g < ng; g++) {
-        const uint8_t *wg = wr + g * Q4_GROUP_BYTES;
-        const int8_t *xg = x + g * Q4_GROUP;
-        int32_t d = 0;
+static inline void dot_q4_rows(const uint8_t *wr, const float *dw, const int8_t *x, const float *xs,
+                               int ng, int K, int R, float *out) {
+    for (int r = 0; r < R; r++) {
+        const int8_t *xr = x + (int64_t)r * K;
+        float f = 0.f;
+        for (int g = 0; g < ng; g++) {
+            const uint8_t *wg = wr + g * Q4_GROUP_BYTES;
+            const int8_t *xg = xr + g * Q4_GROUP;
+            int32_t d = 0;
 #pragma omp simd reduction(+ : d)
-        for (int i = 0; i < Q4_GROUP_BYTES; i++)
-            d += (int32_t)(wg[i] & 15) * xg[i] + (int32_t)(wg[i] >> 4) * xg[i + Q4_GROUP_BYTES];
-        f += bf16_to_f32(pr[2 * g]) * xs[g] * (float)d + bf16_to_f32(pr[2 * g + 1]) * xsum[g];
+            for (int i = 0; i < Q4_GROUP_BYTES; i++)
+                d += (int32_t)(wg[i] & 15) * xg[i] + (int32_t)(wg[i] >> 4) * xg[i + Q4_GROUP_BYTES];
+            f += dw[g] * xs[r * ng + g] * (float)d;
+        }
+        out[r] = f;
     }
-    return f;
 }
 #endif
 
@@ -452,14 +478,36 @@ struct q4_job {
 static void q4_rows(const void *p, int lo, int hi) {
     const struct q4_job *j = p;
     int ng = j->K / Q4_GROUP;
+    float *dw = malloc(sizeof(float) * 2 * (size_t)ng), *mw = dw + ng;   /* one weight row's (d, m) */
+    if (!dw) {
+        for (int n = lo; n < hi; n++)
+            for (int m = 0; m < j->M; m++)
+                j->y[(int64_t)m * j->N + n] = NAN;    /* visible, never silently wrong */
+        return;
+    }
     for (int n = lo; n < hi; n++) {
         const uint8_t *wr = j->w + (int64_t)n * (j->K / 2);
         const uint16_t *pr = j->params + (int64_t)n * 2 * ng;
-        float b = j->bias ? j->bias[n] : 0.f;
-        for (int m = 0; m < j->M; m++)
-            j->y[(int64_t)m * j->N + n] =
-                dot_q4_groups(wr, pr, j->x + (int64_t)m * j->K, j->xs + m * ng, j->xsum + m * ng, ng) + b;
+        for (int g = 0; g < ng; g++) {
+            dw[g] = bf16_to_f32(pr[2 * g]);
+            mw[g] = bf16_to_f32(pr[2 * g + 1]);
+        }
+        float b = j->bias ? j->bias[n] : 0.f, out[Q4_TILE];
+        for (int m = 0; m < j->M; m += Q4_TILE) {
+            int R = j->M - m < Q4_TILE ? j->M - m : Q4_TILE;
+            const int8_t *x = j->x + (int64_t)m * j->K;
+            /* constants let the compiler keep the tile in registers (1: every decode) */
+            if (R == Q4_TILE)
+                dot_q4_rows(wr, dw, x, j->xs + m * ng, ng, j->K, Q4_TILE, out);
+            else if (R == 1)
+                dot_q4_rows(wr, dw, x, j->xs + m * ng, ng, j->K, 1, out);
+            else
+                dot_q4_rows(wr, dw, x, j->xs + m * ng, ng, j->K, R, out);
+            for (int r = 0; r < R; r++)
+                j->y[(int64_t)(m + r) * j->N + n] = out[r] + dot_f32(mw, j->xsum + (m + r) * ng, ng) + b;
+        }
     }
+    free(dw);
 }
 
 /* 4-bit weights to fp32 (out[N, K]) for long prefills, which BLAS computes faster than the

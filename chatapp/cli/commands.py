@@ -33,6 +33,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             stream.cancel()
             completion = stream.result()
+        for notice in engine.take_notices():          # what the engine changed while it ran
+            print(f"\npdchat: note: {notice}", file=sys.stderr)
     return report_turn(args, completion.text, completion.token_ids, completion.finish_reason,
                        completion.metrics.to_dict(), completion.error)
 

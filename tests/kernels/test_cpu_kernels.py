@@ -111,7 +111,7 @@ def test_int4_round_trip_is_within_half_a_step_of_each_group():
     assert torch.equal(reference.pack_int4(u), packed) and u.max() == 15 and u.min() == 0
 
 
-@pytest.mark.parametrize("rows", [1, 5, cpu.LINEAR_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 4, 5, 7, cpu.LINEAR_MAX_ROWS])     # whole tiles of 4 rows and ragged ends
 def test_int4_product_is_exact_integer_arithmetic(ops, rows):
     w = rand(80, 320, seed=3) * torch.linspace(0.1, 4, 80)[:, None]
     packed, params = quantize4(w)
@@ -140,11 +140,20 @@ def test_int4_product_at_the_extremes_is_exact(ops):
     torch.testing.assert_close(ops.linear_int4(x, packed, params).double(), want, rtol=1e-6, atol=1e-4)
 
 
-def test_int4_prefill_sized_products_unpack_to_blas(ops):
-    packed, params = quantize4(rand(72, 192, seed=6))
+@pytest.mark.parametrize("slice_rows", [None, 7])          # None: one slice; 7: eleven and a ragged end
+def test_prefill_sized_quantized_products_unpack_to_blas_slice_by_slice(ops, slice_rows, monkeypatch):
+    if slice_rows is not None:
+        monkeypatch.setattr(cpu, "UNPACK_FLOATS", 192 * slice_rows)
+    w, bias = rand(80, 192, seed=6), rand(80, seed=8)
     x = rand(cpu.LINEAR_MAX_ROWS + 3, 192, seed=7)
-    torch.testing.assert_close(ops.linear_int4(x, packed, params), reference.linear_int4(x, packed, params),
-                               rtol=1e-5, atol=1e-5)
+    packed, params = quantize4(w)
+    for _ in range(2):                                        # the second call reuses the buffer
+        torch.testing.assert_close(ops.linear_int4(x, packed, params, bias),
+                                   reference.linear_int4(x, packed, params, bias), rtol=1e-5, atol=1e-5)
+    q, scales = quantize(w)
+    q8, s8 = ops.pack_int8(q, scales, torch.float32)
+    torch.testing.assert_close(ops.linear_int8(x, q8, s8, bias), x @ (q.float() * scales[:, None]).T + bias,
+                               rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("T", [5, 40])
