@@ -28,6 +28,7 @@ from .metrics import EngineStats, StepMeter, collect_stats
 from .model_runner import ModelRunner, StepLogits, Work
 from .model_source import resolve
 from .output_processor import OutputProcessor
+from .payoff import decode_only
 from .precision import WeightPrecision
 from .prompt import Prompt, encode_prompt
 from .resources import chunk_for, kernel_backend, kv_pool_blocks
@@ -80,6 +81,7 @@ class Engine:
         self.runner = ModelRunner(self.loaded.model, mc, self.device, self.dtype, num_blocks, cfg.block_size)
         self._set_quant(cfg.quant)
         self._set_spec(cfg.spec)
+        self.speculative.weigh(not cfg.spec_always)
         # Layer-by-layer prefill reports on a CPU only: a GPU queues the layers in microseconds.
         self.outputs = OutputProcessor(self.tokenizer, self.loaded.eos_token_ids, self.max_model_len,
                                        self.scheduler, self.blocks, self.speculative,
@@ -186,12 +188,21 @@ class Engine:
         self.outputs.process(plan, out, drafts, reserved, sampled, self._generator)
         seconds = time.perf_counter() - t0
         self.meter.record(plan, sum(len(d.tokens) for d in drafts.values()), seconds, self.precision.read_bytes)
-        made = sum(item.seq.num_output_tokens for item in plan.items) - made_before
-        reason = self.speculative.measured(plan.items, bool(drafts), made, seconds)
+        self._weigh(plan, bool(drafts), sum(item.seq.num_output_tokens for item in plan.items) - made_before,
+                    seconds)
+        return plan
+
+    def _weigh(self, plan: StepPlan, drafted: bool, made: int, seconds: float) -> None:
+        """What this step says of the optimizations in force (payoff.py): speculation that does
+        not pay here stops, quantized weights that are no faster here are explained."""
+        reason = self.speculative.measured(plan.items, drafted, made, seconds)
         if reason is not None:
             self.notices.append(f"speculative decoding turned off: {reason}")
             self._set_spec("off")
-        return plan
+        if not drafted and decode_only(plan.items):
+            said = self.precision.measured(len(plan.items), seconds)
+            if said is not None:
+                self.notices.append(said)
 
     def _sample(self, plan: StepPlan, out: StepLogits, drafts: dict[int, Draft]) -> dict[int, list[int]]:
         """One token for each item that samples without a draft; NO_TOKEN rows are left out
@@ -220,6 +231,8 @@ class Engine:
             self.scheduler.max_num_seqs = cfg.max_num_seqs
             if "spec_tokens" in changes:
                 self.speculative.set_tokens(cfg.spec_tokens)
+            if "spec_always" in changes:
+                self.speculative.weigh(not cfg.spec_always)
             if "quant" in changes:
                 self._set_quant(cfg.quant)
                 # K/V computed with other weights must not be reused as a prefix.

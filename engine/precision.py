@@ -11,6 +11,7 @@ import torch
 from . import quant
 from .loader import LoadedModel, place_weights
 from .memory import release_freed_memory
+from .payoff import QuantPayoff
 
 
 class WeightPrecision:
@@ -18,6 +19,7 @@ class WeightPrecision:
         self.loaded = loaded
         self.device = device
         self.dtype = dtype
+        self.payoff = QuantPayoff()
         self._measure()
 
     @property
@@ -47,10 +49,23 @@ class WeightPrecision:
             notices.append(f"{reason}; running {str(self.dtype).removeprefix('torch.')}")
             mode = "none"
         if mode != self.mode:
+            old, before = self.mode, self.resident_bytes
             place_weights(self.loaded, self.device, self.dtype, mode)
             release_freed_memory(self.device)
+            self._measure()
+            self.payoff.switched(self.label(old), self.label(mode) if mode != "none" else None,
+                                 f"{before / 1e6:,.0f} -> {self.resident_bytes / 1e6:,.0f} MB of weights")
         self._measure()
         return mode
+
+    def label(self, mode: str) -> str:
+        """A mode as people read it: the load dtype's name for "none"."""
+        return str(self.dtype).removeprefix("torch.") if mode == "none" else mode
+
+    def measured(self, requests: int, seconds: float) -> str | None:
+        """After a decode-only step without drafts: why the quantized weights just switched to
+        are no faster here, once measured (payoff.py), else None."""
+        return self.payoff.record(self.label(self.mode), requests, seconds)
 
     def self_draft_refusal(self) -> str | None:
         """Why the int8 self-draft cannot run beside the weights in use, or None (then the int8

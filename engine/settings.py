@@ -201,6 +201,10 @@ SETTINGS: tuple[Setting, ...] = (
             group="optimizations", label="speculative",
             help="guess tokens cheaply, check them in one forward: ngram = copy from the context, "
                  "draft = a small model (or int8 self)"),
+    Setting("spec_always", ENGINE, bool, False, runtime=True, group="optimizations",
+            label="keep speculation",
+            help="keep speculative decoding on where it measurably slows decoding (to measure or demo "
+                 "it); by default a method that does not pay here turns itself off with a notice"),
     Setting("spec_tokens", ENGINE, int, 4, low=1, runtime=True, metavar="K", group="optimizations",
             label="draft tokens", help="initial draft length k (each request then adapts its own)"),
     Setting("draft_model", ENGINE, str, None, nullable=True, group="optimizations", metavar="MODEL",

@@ -19,7 +19,7 @@ from .precision import WeightPrecision
 from .scheduler import ScheduledSeq
 from .sequence import Sequence
 from .spec import AdaptiveK, Draft, DraftProposer, NgramProposer, Proposer, verify
-from .spec_payoff import SpecPayoff
+from .payoff import SpecPayoff, decode_only
 
 
 class SpeculativeDecoder:
@@ -30,7 +30,7 @@ class SpeculativeDecoder:
         self.precision = precision
         self.draft_model = draft_model
         self.adaptive = AdaptiveK(spec_tokens)
-        self.payoff = SpecPayoff()
+        self.payoff: SpecPayoff | None = SpecPayoff()     # None: speculation is kept on whatever it costs
         self.proposer: Proposer | None = None
         self._runner: ModelRunner | None = None
         # A separate draft model is loaded with the target, so the KV pool is sized for both.
@@ -64,7 +64,8 @@ class SpeculativeDecoder:
         if self._self_drafting(self.proposer) and not self._self_drafting(proposer):
             self.precision.drop_draft_copies()
         self.proposer = proposer
-        self.payoff.reset()
+        if self.payoff is not None:
+            self.payoff.reset()
 
     @staticmethod
     def _self_drafting(proposer: Proposer | None) -> bool:
@@ -90,13 +91,18 @@ class SpeculativeDecoder:
     def set_tokens(self, k: int) -> None:
         """The initial draft length of new requests (each then adapts its own)."""
         self.adaptive = AdaptiveK(k)
-        self.payoff.reset()
+        if self.payoff is not None:
+            self.payoff.reset()
+
+    def weigh(self, on: bool) -> None:
+        """Whether speculation is measured against plain decoding and stopped where it does not pay."""
+        self.payoff = SpecPayoff() if on else None
 
     def propose(self, items: list[ScheduledSeq], blocks: BlockManager,
                 max_model_len: int) -> tuple[dict[int, Draft], list[int]]:
         """Drafts for this step's running decodes, by item index, with blocks reserved for them;
         also every index that reserved blocks (a verify may leave them to roll back)."""
-        if self.proposer is None or (self.payoff.probe_now() and _decode_only(items)):
+        if self.proposer is None or (self.payoff is not None and self.payoff.probe_now() and decode_only(items)):
             return {}, []                      # a probe: this step measures decoding without drafts
         candidates, ks = [], []
         for idx, item in enumerate(items):
@@ -115,8 +121,8 @@ class SpeculativeDecoder:
 
     def measured(self, items: list[ScheduledSeq], drafted: bool, tokens: int, seconds: float) -> str | None:
         """After a step that made `tokens` tokens: why speculation should stop because it
-        measurably does not pay here (spec_payoff.py), or None."""
-        if self.proposer is None or not _decode_only(items):
+        measurably does not pay here (payoff.py), or None."""
+        if self.proposer is None or self.payoff is None or not decode_only(items):
             return None
         return self.payoff.record(len(items), tokens, seconds, drafted, self.proposer.name)
 
@@ -136,8 +142,3 @@ class SpeculativeDecoder:
     def close(self) -> None:
         """Drop every model and KV pool reference (the engine is closing)."""
         self.target = self.precision = self._draft = self._runner = self.proposer = None
-
-
-def _decode_only(items: list[ScheduledSeq]) -> bool:
-    """A step of running decodes only: prefill chunks would make its time say nothing of decoding."""
-    return all(item.num_tokens == 1 and item.samples for item in items)

@@ -54,7 +54,10 @@ def seen(monkeypatch):
     class FakeEngine:
         def __init__(self, config, **overrides):
             seen["config"] = config
-            self.notices, self.device = [], "cpu"
+            self.device = "cpu"
+
+        def take_notices(self):
+            return []
 
         def __enter__(self):
             return self

@@ -32,8 +32,9 @@ def test_greedy_tokens_identical_alone_and_batched(spec, draft):
         prompts = [plain.encode("Repeat exactly: " + QUOTE * 2), plain.encode("hello"),
                    [rng.randrange(1, 250) for _ in range(90)]]
         want = [c.token_ids for c in [plain.submit(p, GREEDY).result() for p in prompts]]
+    # spec_always: drafting with a copy of the target does not pay, and these tests are about losslessness
     with Engine(model="random:tiny", telemetry=False, num_kv_blocks=256, spec=spec, draft_model=draft,
-                prefix_cache=True) as engine:
+                prefix_cache=True, spec_always=True) as engine:
         alone = [engine.submit(p, GREEDY).result() for p in prompts]
         together = engine.generate(prompts + prompts, GREEDY)        # batched, and with prefix hits
         assert [c.token_ids for c in alone] == want
@@ -56,14 +57,14 @@ def test_default_model_spec_is_lossless(default_engine):
     original = default_engine.config.spec
     try:
         for spec in ("ngram", "draft"):             # draft without --draft-model = int8 self-draft
-            default_engine.update(spec=spec)
+            default_engine.update(spec=spec, spec_always=True)
             alone = default_engine.submit(prompts[0], greedy).result()
             assert alone.token_ids == want[0], spec
             assert alone.metrics.spec_accepted > 0, spec
             together = default_engine.generate(prompts, greedy)          # batched, prefix cache on
             assert [c.token_ids for c in together] == want, spec
     finally:
-        default_engine.update(spec=original)
+        default_engine.update(spec=original, spec_always=False)
 
 
 def _fake_seq(params: SamplingParams) -> Sequence:
@@ -97,7 +98,7 @@ def test_rejection_sampling_recovers_the_target_distribution(one_hot_draft):
 
 def test_seeded_spec_sampling_is_reproducible():
     p = SamplingParams(max_tokens=40, temperature=0.9, seed=11, ignore_eos=True)
-    with Engine(model="random:tiny", telemetry=False, num_kv_blocks=64, spec="ngram") as engine:
+    with Engine(model="random:tiny", telemetry=False, num_kv_blocks=64, spec="ngram", spec_always=True) as engine:
         ids = engine.encode("Repeat: " + QUOTE * 2)
         a = engine.submit(ids, p).result().token_ids
         b = engine.submit(ids, p).result().token_ids
@@ -123,7 +124,8 @@ def test_spec_under_preemption_is_lossless_and_leak_free():
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     with Engine(model="random:tiny", telemetry=False, num_kv_blocks=256) as big:
         want = [c.token_ids for c in big.generate(prompts, params)]
-    with Engine(model="random:tiny", telemetry=False, num_kv_blocks=20, spec="ngram", max_num_seqs=8) as small:
+    with Engine(model="random:tiny", telemetry=False, num_kv_blocks=20, spec="ngram", max_num_seqs=8,
+                spec_always=True) as small:
         got = small.generate(prompts, params)
         assert [c.token_ids for c in got] == want
         assert sum(c.metrics.preemptions for c in got) > 0

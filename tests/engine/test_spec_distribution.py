@@ -113,7 +113,7 @@ def score(scorer: Engine, prompt: list[int], outputs: list[list[int]], params: S
 @pytest.mark.parametrize("spec,draft", [("ngram", None), ("draft", None), ("draft", "random:tiny-qwen2")])
 def test_sampled_engine_output_follows_the_target_distribution(scorer, spec, draft):
     with Engine(model="random:tiny", device="cpu", telemetry=False, num_kv_blocks=512, spec=spec,
-                draft_model=draft, spec_tokens=4) as engine:
+                draft_model=draft, spec_tokens=4, spec_always=True) as engine:
         prompt = engine.encode(PROMPT)
         params = [SamplingParams(seed=1000 + i, **PARAMS) for i in range(SAMPLES)]
         done = engine.generate([prompt] * SAMPLES, params)
