@@ -348,8 +348,30 @@ static inline float bf16_to_f32(uint16_t b) {
     return f;
 }
 
-/* x -> int8 blocks of 32, q, with their scales xs and xs * sum(q) (xsum). */
-static void quantize_q4_blocks(const float *x, int M, int K, int8_t *q, float *xs, float *xsum) {
+/* Activations to int8 in blocks of 32 (one per weight group), with their scales xs and, beside
+ * each group's (d, m) once the weights' params are floats, (0, xs * sum(q)) in xz: the offset
+ * term of a row is then one float dot product with the params. The groups of a block of
+ * Q4_SPLIT are stored split, the first halves of the Q4_SPLIT groups then their second halves,
+ * as one load of the weights' nibbles holds them (low nibbles: first halves); the groups past
+ * the last whole block keep their order. */
+#if PDCHAT_INT8_PATH == PD_INT8_AVX512VNNI
+#define Q4_SPLIT 4
+#elif PDCHAT_INT8_PATH == PD_INT8_AVXVNNI || PDCHAT_INT8_PATH == PD_INT8_AVX2
+#define Q4_SPLIT 2
+#else
+#define Q4_SPLIT 1
+#endif
+
+static inline int64_t q4_x_index(int g, int i, int ng) {
+    int block = g / Q4_SPLIT, gi = g % Q4_SPLIT;
+    if ((block + 1) * Q4_SPLIT > ng)                     /* past the last whole block: in order */
+        return (int64_t)g * Q4_GROUP + i;
+    int64_t base = (int64_t)block * Q4_SPLIT * Q4_GROUP;
+    int half = i / Q4_GROUP_BYTES;
+    return base + half * Q4_SPLIT * Q4_GROUP_BYTES + gi * Q4_GROUP_BYTES + i % Q4_GROUP_BYTES;
+}
+
+static void quantize_q4_blocks(const float *x, int M, int K, int8_t *q, float *xs, float *xz) {
     int ng = K / Q4_GROUP;
     for (int m = 0; m < M; m++)
         for (int g = 0; g < ng; g++) {
@@ -357,78 +379,98 @@ static void quantize_q4_blocks(const float *x, int M, int K, int8_t *q, float *x
             float s, inv = block_scale(x + at, Q4_GROUP, &s);
             int sum = 0;
             for (int i = 0; i < Q4_GROUP; i++) {
-                q[at + i] = (int8_t)lrintf(x[at + i] * inv);
-                sum += q[at + i];
+                int8_t v = (int8_t)lrintf(x[at + i] * inv);
+                q[(int64_t)m * K + q4_x_index(g, i, ng)] = v;
+                sum += v;
             }
             xs[m * ng + g] = s;
-            xsum[m * ng + g] = s * (float)sum;
+            xz[2 * ((int64_t)m * ng + g)] = 0.f;
+            xz[2 * ((int64_t)m * ng + g) + 1] = s * (float)sum;
         }
 }
 
-/* sum_g dw[g] * xs[r, g] * <u_g, xq_rg> for one weight row (wr, its scales dw as floats) and
- * R <= Q4_TILE activation rows (x, xs, rows K apart), ng groups, into out[R]. Each group of
- * weights is unpacked once for all R rows and its scale read once: a chunked prefill multiplies
- * 32 rows by every matrix, and per-row unpacking and scalar scale arithmetic made int4 prefill
- * slower than fp32. Called with R constant, the row loops unroll into registers. The offset
- * part, sum_g m[g] * xsum[r, g], is a plain float dot product (q4_rows). */
+/* sum_g d[g] * xs[r, g] * <u_g, xq_rg> for one weight row (wr; pf its params as floats, d and m
+ * interleaved) and R <= Q4_TILE activation rows (x, xs, rows K apart), ng groups, into out[R].
+ * The weights are unpacked once for all R rows and their scales read once: a chunked prefill
+ * multiplies 32 rows by every matrix. Called with R constant, the row loops unroll into
+ * registers. The offset part, sum_g m[g] * xsum[r, g], is a float dot product (q4_rows). */
 #define Q4_TILE 4
 #if PDCHAT_INT8_PATH == PD_INT8_AVX512VNNI
-/* Two adjacent floats (two groups' scales) spread over a 512-bit register: lanes 0-7 the first,
- * 8-15 the second, as the two groups lie in a product. */
-static inline __m512 spread_pair(const float *p) {
-    double both;
-    memcpy(&both, p, sizeof both);
-    const __m512i pair = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    return _mm512_permutexvar_ps(pair, _mm512_castpd_ps(_mm512_set1_pd(both)));
-}
-
-static inline void dot_q4_rows(const uint8_t *wr, const float *dw, const int8_t *x, const float *xs,
+static inline void dot_q4_rows(const uint8_t *wr, const float *pf, const int8_t *x, const float *xs,
                                int ng, int K, int R, float *out) {
-    const __m256i nibble = _mm256_set1_epi8(0x0f);
+    const __m512i nibble = _mm512_set1_epi8(0x0f);
+    /* a product's lanes 4g..4g+3 hold group g of the block: d of pairs 0..3, xs of 0..3 */
+    const __m512i by_d = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
+    const __m512i by_x = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     __m512 f[Q4_TILE];
     for (int r = 0; r < R; r++)
         f[r] = _mm512_setzero_ps();
-    for (int g = 0; g < ng; g += 2) {          /* two groups (64 weights) per 512-bit product */
+    int g = 0;
+    for (; g + Q4_SPLIT <= ng; g += Q4_SPLIT) {   /* four groups (128 weights) per pair of products */
+        __m512i p = _mm512_loadu_si512(wr + g * Q4_GROUP_BYTES);
+        __m512i lo = _mm512_and_si512(p, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), nibble);
+        __m512 d = _mm512_permutexvar_ps(by_d, _mm512_castps256_ps512(_mm256_loadu_ps(pf + 2 * g)));
+        for (int r = 0; r < R; r++) {
+            const int8_t *xb = x + (int64_t)r * K + g * Q4_GROUP;
+            __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xb)),
+                                              hi, _mm512_loadu_si512(xb + 4 * Q4_GROUP_BYTES));
+            __m512 s = _mm512_permutexvar_ps(by_x, _mm512_castps128_ps512(_mm_loadu_ps(xs + r * ng + g)));
+            f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, s), f[r]);
+        }
+    }
+    if (g < ng) {                                /* two groups left (ng is even), in order */
+        const __m256i nib = _mm256_set1_epi8(0x0f);
         __m256i p = _mm256_loadu_si256((const __m256i *)(wr + g * Q4_GROUP_BYTES));
-        __m256i lo = _mm256_and_si256(p, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), nibble);
+        __m256i lo = _mm256_and_si256(p, nib), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), nib);
         __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
                                        _mm256_permute2x128_si256(lo, hi, 0x31), 1);
-        __m512 d = spread_pair(dw + g);
         for (int r = 0; r < R; r++) {
+            const float *sr = xs + r * ng;
             __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u,
                                               _mm512_loadu_si512(x + (int64_t)r * K + g * Q4_GROUP));
-            f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, spread_pair(xs + r * ng + g)), f[r]);
+            /* insertf64x4, not insertf32x8: the latter is AVX-512 DQ, which this path does not require */
+            __m512 s = _mm512_castpd_ps(_mm512_insertf64x4(
+                _mm512_castps_pd(_mm512_set1_ps(pf[2 * g] * sr[g])),
+                _mm256_castps_pd(_mm256_set1_ps(pf[2 * g + 2] * sr[g + 1])), 1));
+            f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, f[r]);
         }
     }
     for (int r = 0; r < R; r++)
         out[r] = _mm512_reduce_add_ps(f[r]);
 }
 #elif PDCHAT_INT8_PATH == PD_INT8_AVXVNNI || PDCHAT_INT8_PATH == PD_INT8_AVX2
-static inline void dot_q4_rows(const uint8_t *wr, const float *dw, const int8_t *x, const float *xs,
+static inline void dot_q4_rows(const uint8_t *wr, const float *pf, const int8_t *x, const float *xs,
                                int ng, int K, int R, float *out) {
-    const __m128i nibble = _mm_set1_epi8(0x0f);
+    const __m256i nibble = _mm256_set1_epi8(0x0f);
+    const __m256i by_d = _mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0), by_x = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
     __m256 f[Q4_TILE];
     for (int r = 0; r < R; r++)
         f[r] = _mm256_setzero_ps();
-    for (int g = 0; g < ng; g++) {
-        __m128i p = _mm_loadu_si128((const __m128i *)(wr + g * Q4_GROUP_BYTES));
-        __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), nibble), _mm_and_si128(p, nibble));
-        __m256 d = _mm256_set1_ps(dw[g]);
+    for (int g = 0; g < ng; g += Q4_SPLIT) {     /* two groups (64 weights) per pair of products */
+        __m256i p = _mm256_loadu_si256((const __m256i *)(wr + g * Q4_GROUP_BYTES));
+        __m256i lo = _mm256_and_si256(p, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), nibble);
+        __m256 d = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(pf + 2 * g)), by_d);
         for (int r = 0; r < R; r++) {
-            __m256i xq = _mm256_loadu_si256((const __m256i *)(x + (int64_t)r * K + g * Q4_GROUP));
+            const int8_t *xb = x + (int64_t)r * K + g * Q4_GROUP;
+            __m256i xlo = _mm256_loadu_si256((const __m256i *)xb), xhi = _mm256_loadu_si256((const __m256i *)(xb + 32));
 #if PDCHAT_INT8_PATH == PD_INT8_AVXVNNI
-            __m256i dot = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, xq);
+            __m256i dot = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo, xlo), hi, xhi);
 #else
-            __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(u, xq), _mm256_set1_epi16(1));
+            const __m256i ones = _mm256_set1_epi16(1);
+            __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, xlo), ones),
+                                           _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xhi), ones));
 #endif
-            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(xs[r * ng + g])), f[r]);
+            double both;
+            memcpy(&both, xs + r * ng + g, sizeof both);
+            __m256 s = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(_mm_set_sd(both))), by_x);
+            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, s), f[r]);
         }
     }
     for (int r = 0; r < R; r++)
         out[r] = sum8(f[r]);
 }
 #elif PDCHAT_INT8_PATH == PD_INT8_NEON_DOT
-static inline void dot_q4_rows(const uint8_t *wr, const float *dw, const int8_t *x, const float *xs,
+static inline void dot_q4_rows(const uint8_t *wr, const float *pf, const int8_t *x, const float *xs,
                                int ng, int K, int R, float *out) {
     const uint8x16_t nibble = vdupq_n_u8(0x0f);
     float32x4_t f[Q4_TILE];
@@ -440,14 +482,14 @@ static inline void dot_q4_rows(const uint8_t *wr, const float *dw, const int8_t 
         for (int r = 0; r < R; r++) {
             const int8_t *xg = x + (int64_t)r * K + g * Q4_GROUP;
             int32x4_t dot = vdotq_s32(vdotq_s32(vdupq_n_s32(0), lo, vld1q_s8(xg)), hi, vld1q_s8(xg + 16));
-            f[r] = vfmaq_n_f32(f[r], vcvtq_f32_s32(dot), dw[g] * xs[r * ng + g]);
+            f[r] = vfmaq_n_f32(f[r], vcvtq_f32_s32(dot), pf[2 * g] * xs[r * ng + g]);
         }
     }
     for (int r = 0; r < R; r++)
         out[r] = vaddvq_f32(f[r]);
 }
 #else
-static inline void dot_q4_rows(const uint8_t *wr, const float *dw, const int8_t *x, const float *xs,
+static inline void dot_q4_rows(const uint8_t *wr, const float *pf, const int8_t *x, const float *xs,
                                int ng, int K, int R, float *out) {
     for (int r = 0; r < R; r++) {
         const int8_t *xr = x + (int64_t)r * K;
@@ -459,7 +501,7 @@ static inline void dot_q4_rows(const uint8_t *wr, const float *dw, const int8_t 
 #pragma omp simd reduction(+ : d)
             for (int i = 0; i < Q4_GROUP_BYTES; i++)
                 d += (int32_t)(wg[i] & 15) * xg[i] + (int32_t)(wg[i] >> 4) * xg[i + Q4_GROUP_BYTES];
-            f += dw[g] * xs[r * ng + g] * (float)d;
+            f += pf[2 * g] * xs[r * ng + g] * (float)d;
         }
         out[r] = f;
     }
@@ -469,7 +511,7 @@ static inline void dot_q4_rows(const uint8_t *wr, const float *dw, const int8_t 
 struct q4_job {
     const uint8_t *w;
     const uint16_t *params;
-    const float *bias, *xs, *xsum;
+    const float *bias, *xs, *xz;
     const int8_t *x;
     float *y;
     int M, N, K;
@@ -478,8 +520,8 @@ struct q4_job {
 static void q4_rows(const void *p, int lo, int hi) {
     const struct q4_job *j = p;
     int ng = j->K / Q4_GROUP;
-    float *dw = malloc(sizeof(float) * 2 * (size_t)ng), *mw = dw + ng;   /* one weight row's (d, m) */
-    if (!dw) {
+    float *pf = malloc(sizeof(float) * 2 * (size_t)ng);     /* one weight row's (d, m) as floats */
+    if (!pf) {
         for (int n = lo; n < hi; n++)
             for (int m = 0; m < j->M; m++)
                 j->y[(int64_t)m * j->N + n] = NAN;    /* visible, never silently wrong */
@@ -488,9 +530,10 @@ static void q4_rows(const void *p, int lo, int hi) {
     for (int n = lo; n < hi; n++) {
         const uint8_t *wr = j->w + (int64_t)n * (j->K / 2);
         const uint16_t *pr = j->params + (int64_t)n * 2 * ng;
-        for (int g = 0; g < ng; g++) {
-            dw[g] = bf16_to_f32(pr[2 * g]);
-            mw[g] = bf16_to_f32(pr[2 * g + 1]);
+#pragma omp simd
+        for (int i = 0; i < 2 * ng; i++) {
+            uint32_t u = (uint32_t)pr[i] << 16;
+            memcpy(pf + i, &u, sizeof u);
         }
         float b = j->bias ? j->bias[n] : 0.f, out[Q4_TILE];
         for (int m = 0; m < j->M; m += Q4_TILE) {
@@ -498,16 +541,16 @@ static void q4_rows(const void *p, int lo, int hi) {
             const int8_t *x = j->x + (int64_t)m * j->K;
             /* constants let the compiler keep the tile in registers (1: every decode) */
             if (R == Q4_TILE)
-                dot_q4_rows(wr, dw, x, j->xs + m * ng, ng, j->K, Q4_TILE, out);
+                dot_q4_rows(wr, pf, x, j->xs + m * ng, ng, j->K, Q4_TILE, out);
             else if (R == 1)
-                dot_q4_rows(wr, dw, x, j->xs + m * ng, ng, j->K, 1, out);
+                dot_q4_rows(wr, pf, x, j->xs + m * ng, ng, j->K, 1, out);
             else
-                dot_q4_rows(wr, dw, x, j->xs + m * ng, ng, j->K, R, out);
+                dot_q4_rows(wr, pf, x, j->xs + m * ng, ng, j->K, R, out);
             for (int r = 0; r < R; r++)
-                j->y[(int64_t)(m + r) * j->N + n] = out[r] + dot_f32(mw, j->xsum + (m + r) * ng, ng) + b;
+                j->y[(int64_t)(m + r) * j->N + n] = out[r] + dot_f32(pf, j->xz + 2 * (int64_t)(m + r) * ng, 2 * ng) + b;
         }
     }
-    free(dw);
+    free(pf);
 }
 
 /* 4-bit weights to fp32 (out[N, K]) for long prefills, which BLAS computes faster than the
@@ -545,15 +588,15 @@ int pd_linear_q4(const float *x, const uint8_t *w, const uint16_t *params, const
                  int M, int N, int K, int threads) {
     int ng = K / Q4_GROUP;
     int8_t *xq = malloc((size_t)M * K);
-    float *xs = malloc(sizeof(float) * 2 * (size_t)M * ng);
+    float *xs = malloc(sizeof(float) * 3 * (size_t)M * ng);
     if (!xq || !xs) {
         free(xq);
         free(xs);
         return -1;
     }
-    float *xsum = xs + (size_t)M * ng;
-    quantize_q4_blocks(x, M, K, xq, xs, xsum);
-    struct q4_job job = {w, params, bias, xs, xsum, xq, y, M, N, K};
+    float *xz = xs + (size_t)M * ng;
+    quantize_q4_blocks(x, M, K, xq, xs, xz);
+    struct q4_job job = {w, params, bias, xs, xz, xq, y, M, N, K};
     parallel_rows(q4_rows, &job, N, row_chunk(N, threads), threads);
     free(xq);
     free(xs);
