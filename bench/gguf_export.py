@@ -31,6 +31,13 @@ HF_TO_GGUF = {"input_layernorm.weight": "attn_norm.weight", "post_attention_laye
               "mlp.down_proj": "ffn_down"}
 
 
+# GGUF hyperparameters (GGUFWriter.add_<key>) from our ModelConfig's fields
+HPARAMS = {"context_length": "max_position", "embedding_length": "hidden_size", "block_count": "num_layers",
+           "feed_forward_length": "intermediate_size", "head_count": "num_heads", "head_count_kv": "num_kv_heads",
+           "key_length": "head_dim", "value_length": "head_dim", "rope_dimension_count": "head_dim",
+           "rope_freq_base": "rope_theta", "layer_norm_rms_eps": "rms_norm_eps", "vocab_size": "vocab_size"}
+
+
 class ExportUnavailable(RuntimeError):
     """No peer file can be made here (no GGUF of a real model, an architecture the export does not
     lay out, no llama.cpp quantizer)."""
@@ -76,18 +83,8 @@ def _write_f16(loaded: LoadedModel, arch: str, path: Path) -> None:
     gguf_arch = "llama" if arch == "mistral" else arch
     writer = gguf.GGUFWriter(str(path), gguf_arch)
     writer.add_name(loaded.files.name)
-    writer.add_context_length(cfg.max_position)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_heads)
-    writer.add_head_count_kv(cfg.num_kv_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_rope_dimension_count(cfg.head_dim)
-    writer.add_rope_freq_base(cfg.rope_theta)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
+    for key, field in HPARAMS.items():
+        getattr(writer, f"add_{key}")(getattr(cfg, field))
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     _add_vocab(writer, gguf, cfg.vocab_size, hf_cfg)
     for name, tensor in _gguf_tensors(loaded, arch):

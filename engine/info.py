@@ -24,7 +24,7 @@ def _cpu_kernels() -> str:
         lib = cpu.library(paths.cache_dir())
     except cpu.KernelsUnavailable as e:
         return f"unavailable ({e}); PyTorch ops are used"
-    return f"C, int8 product on {cpu.int8_path(lib).title}"
+    return f"C, int8 and int4 products on {cpu.int8_path(lib).title}"
 
 
 def info() -> dict[str, str]:

@@ -195,7 +195,7 @@ def library(cache_dir: Path, int8: str | None = None) -> ctypes.CDLL:
 class CpuKernels:
     """The backend's functions bound to one build of the library.
 
-    About 200 lines on purpose: one short method per kernel of the backend interface that
+    About 250 lines on purpose: one short method per kernel of the backend interface that
     reference.py and triton_attention.py also implement (kernels/__init__.py), each checking that
     its tensors suit the C code and falling back to the reference otherwise; split, the one
     interface would be scattered over files."""

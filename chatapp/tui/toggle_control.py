@@ -47,11 +47,14 @@ class ToggleControl:
         app.chat.refresh_panel()
         return True
 
-    def follow_engine(self, stats: dict[str, Any]) -> None:
-        """The engine changed a toggle itself (speculation that did not pay here, a self-draft
-        refused beside quantized weights; its notice says why): the toggles and the panel follow.
-        Not saved: the saved toggles stay the user's choice, and the engine decides again."""
+    def follow_engine(self, stats: dict[str, Any], notices: list[str]) -> None:
+        """What the engine decided itself: its notices become toasts, and a toggle it changed
+        (speculation that did not pay here, a self-draft refused beside quantized weights) is
+        followed by the toggles and the panel. Not saved: the saved toggles stay the user's
+        choice, and the engine decides again."""
         app = self.app
+        for notice in notices:
+            app.notify(notice, severity="warning", timeout=15)
         changed = {k: stats[k] for k in ENGINE_DECIDES if k in stats and stats[k] != getattr(app.toggles, k)}
         if changed and self.compare_restore is None:
             app.toggles = Toggles.from_dict({**app.toggles.to_dict(), **changed})

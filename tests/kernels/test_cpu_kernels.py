@@ -282,7 +282,7 @@ def test_info_names_the_build_or_why_there_is_none(tmp_path, monkeypatch):
     from pdchat.engine.info import info
     monkeypatch.setenv("PDCHAT_CACHE_DIR", str(tmp_path / "ok"))
     best = cpu.int8_path(cpu.library(tmp_path / "ok" / "probe"))
-    assert info()["cpu kernels"] == f"C, int8 product on {best.title}"
+    assert info()["cpu kernels"] == f"C, int8 and int4 products on {best.title}"
     assert best == cpu.runnable_int8_paths()[-1]             # the best this CPU has
     monkeypatch.setenv("PDCHAT_CACHE_DIR", str(tmp_path / "broken"))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))

@@ -239,9 +239,7 @@ class ChatScreen(ChatActions, CompareActions, Screen):
             notices = self.backend.notices() if self.app.ready else []
         except Exception:
             stats, notices = {}, []
-        for notice in notices:
-            self.app.notify(notice, severity="warning", timeout=15)
-        self.app.toggle_control.follow_engine(stats)
+        self.app.toggle_control.follow_engine(stats, notices)
         last = self.last_metrics()
         snap = live.snapshot() if live else None
         tokens = 0
