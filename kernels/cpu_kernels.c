@@ -361,6 +361,14 @@ static inline float bf16_to_f32(uint16_t b) {
 #else
 #define Q4_SPLIT 1
 #endif
+/* A group's activation scale is stored once per lane its products fill (4 int32 lanes on x86),
+ * so the scales of a load's groups are one vector load, not a gather. */
+#if Q4_SPLIT > 1
+#define Q4_XS_LANES 4
+#else
+#define Q4_XS_LANES 1
+#endif
+#define Q4_XS(r, g) (((int64_t)(r) * ng + (g)) * Q4_XS_LANES)
 
 static inline int64_t q4_x_index(int g, int i, int ng) {
     int block = g / Q4_SPLIT, gi = g % Q4_SPLIT;
@@ -383,7 +391,8 @@ static void quantize_q4_blocks(const float *x, int M, int K, int8_t *q, float *x
                 q[(int64_t)m * K + q4_x_index(g, i, ng)] = v;
                 sum += v;
             }
-            xs[m * ng + g] = s;
+            for (int l = 0; l < Q4_XS_LANES; l++)
+                xs[Q4_XS(m, g) + l] = s;
             xz[2 * ((int64_t)m * ng + g)] = 0.f;
             xz[2 * ((int64_t)m * ng + g) + 1] = s * (float)sum;
         }
@@ -399,9 +408,8 @@ static void quantize_q4_blocks(const float *x, int M, int K, int8_t *q, float *x
 static inline void dot_q4_rows(const uint8_t *wr, const float *pf, const int8_t *x, const float *xs,
                                int ng, int K, int R, float *out) {
     const __m512i nibble = _mm512_set1_epi8(0x0f);
-    /* a product's lanes 4g..4g+3 hold group g of the block: d of pairs 0..3, xs of 0..3 */
+    /* a product's lanes 4g..4g+3 hold group g of the block: the d of params pairs 0..3 */
     const __m512i by_d = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
-    const __m512i by_x = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     __m512 f[Q4_TILE];
     for (int r = 0; r < R; r++)
         f[r] = _mm512_setzero_ps();
@@ -414,8 +422,7 @@ static inline void dot_q4_rows(const uint8_t *wr, const float *pf, const int8_t 
             const int8_t *xb = x + (int64_t)r * K + g * Q4_GROUP;
             __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xb)),
                                               hi, _mm512_loadu_si512(xb + 4 * Q4_GROUP_BYTES));
-            __m512 s = _mm512_permutexvar_ps(by_x, _mm512_castps128_ps512(_mm_loadu_ps(xs + r * ng + g)));
-            f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, s), f[r]);
+            f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_loadu_ps(xs + Q4_XS(r, g))), f[r]);
         }
     }
     if (g < ng) {                                /* two groups left (ng is even), in order */
@@ -425,13 +432,13 @@ static inline void dot_q4_rows(const uint8_t *wr, const float *pf, const int8_t 
         __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
                                        _mm256_permute2x128_si256(lo, hi, 0x31), 1);
         for (int r = 0; r < R; r++) {
-            const float *sr = xs + r * ng;
+            float s0 = xs[Q4_XS(r, g)], s1 = xs[Q4_XS(r, g + 1)];
             __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u,
                                               _mm512_loadu_si512(x + (int64_t)r * K + g * Q4_GROUP));
             /* insertf64x4, not insertf32x8: the latter is AVX-512 DQ, which this path does not require */
             __m512 s = _mm512_castpd_ps(_mm512_insertf64x4(
-                _mm512_castps_pd(_mm512_set1_ps(pf[2 * g] * sr[g])),
-                _mm256_castps_pd(_mm256_set1_ps(pf[2 * g + 2] * sr[g + 1])), 1));
+                _mm512_castps_pd(_mm512_set1_ps(pf[2 * g] * s0)),
+                _mm256_castps_pd(_mm256_set1_ps(pf[2 * g + 2] * s1)), 1));
             f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, f[r]);
         }
     }
@@ -442,7 +449,7 @@ static inline void dot_q4_rows(const uint8_t *wr, const float *pf, const int8_t 
 static inline void dot_q4_rows(const uint8_t *wr, const float *pf, const int8_t *x, const float *xs,
                                int ng, int K, int R, float *out) {
     const __m256i nibble = _mm256_set1_epi8(0x0f);
-    const __m256i by_d = _mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0), by_x = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
+    const __m256i by_d = _mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0);
     __m256 f[Q4_TILE];
     for (int r = 0; r < R; r++)
         f[r] = _mm256_setzero_ps();
@@ -460,10 +467,7 @@ static inline void dot_q4_rows(const uint8_t *wr, const float *pf, const int8_t 
             __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, xlo), ones),
                                            _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xhi), ones));
 #endif
-            double both;
-            memcpy(&both, xs + r * ng + g, sizeof both);
-            __m256 s = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castpd_ps(_mm_set_sd(both))), by_x);
-            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, s), f[r]);
+            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_loadu_ps(xs + Q4_XS(r, g))), f[r]);
         }
     }
     for (int r = 0; r < R; r++)
@@ -482,7 +486,7 @@ static inline void dot_q4_rows(const uint8_t *wr, const float *pf, const int8_t 
         for (int r = 0; r < R; r++) {
             const int8_t *xg = x + (int64_t)r * K + g * Q4_GROUP;
             int32x4_t dot = vdotq_s32(vdotq_s32(vdupq_n_s32(0), lo, vld1q_s8(xg)), hi, vld1q_s8(xg + 16));
-            f[r] = vfmaq_n_f32(f[r], vcvtq_f32_s32(dot), pf[2 * g] * xs[r * ng + g]);
+            f[r] = vfmaq_n_f32(f[r], vcvtq_f32_s32(dot), pf[2 * g] * xs[Q4_XS(r, g)]);
         }
     }
     for (int r = 0; r < R; r++)
@@ -501,7 +505,7 @@ static inline void dot_q4_rows(const uint8_t *wr, const float *pf, const int8_t 
 #pragma omp simd reduction(+ : d)
             for (int i = 0; i < Q4_GROUP_BYTES; i++)
                 d += (int32_t)(wg[i] & 15) * xg[i] + (int32_t)(wg[i] >> 4) * xg[i + Q4_GROUP_BYTES];
-            f += pf[2 * g] * xs[r * ng + g] * (float)d;
+            f += pf[2 * g] * xs[Q4_XS(r, g)] * (float)d;
         }
         out[r] = f;
     }
@@ -541,11 +545,11 @@ static void q4_rows(const void *p, int lo, int hi) {
             const int8_t *x = j->x + (int64_t)m * j->K;
             /* constants let the compiler keep the tile in registers (1: every decode) */
             if (R == Q4_TILE)
-                dot_q4_rows(wr, pf, x, j->xs + m * ng, ng, j->K, Q4_TILE, out);
+                dot_q4_rows(wr, pf, x, j->xs + Q4_XS(m, 0), ng, j->K, Q4_TILE, out);
             else if (R == 1)
-                dot_q4_rows(wr, pf, x, j->xs + m * ng, ng, j->K, 1, out);
+                dot_q4_rows(wr, pf, x, j->xs + Q4_XS(m, 0), ng, j->K, 1, out);
             else
-                dot_q4_rows(wr, pf, x, j->xs + m * ng, ng, j->K, R, out);
+                dot_q4_rows(wr, pf, x, j->xs + Q4_XS(m, 0), ng, j->K, R, out);
             for (int r = 0; r < R; r++)
                 j->y[(int64_t)(m + r) * j->N + n] = out[r] + dot_f32(pf, j->xz + 2 * (int64_t)(m + r) * ng, 2 * ng) + b;
         }
@@ -588,13 +592,13 @@ int pd_linear_q4(const float *x, const uint8_t *w, const uint16_t *params, const
                  int M, int N, int K, int threads) {
     int ng = K / Q4_GROUP;
     int8_t *xq = malloc((size_t)M * K);
-    float *xs = malloc(sizeof(float) * 3 * (size_t)M * ng);
+    float *xs = malloc(sizeof(float) * (Q4_XS_LANES + 2) * (size_t)M * ng);
     if (!xq || !xs) {
         free(xq);
         free(xs);
         return -1;
     }
-    float *xz = xs + (size_t)M * ng;
+    float *xz = xs + (size_t)Q4_XS_LANES * M * ng;
     quantize_q4_blocks(x, M, K, xq, xs, xz);
     struct q4_job job = {w, params, bias, xs, xz, xq, y, M, N, K};
     parallel_rows(q4_rows, &job, N, row_chunk(N, threads), threads);
