@@ -51,17 +51,13 @@ def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, A
         progress("kernel paths", 0.99)
         paths = kernel_paths.section(engine, rounds=max(3, repeats * 2))
         progress("done", 1.0)
-        inputs = {"dtype": _label(engine, "none"), "decode_tokens": decode_tokens, "short_prompt_tokens": len(short),
-                  "prefill_tokens": len(long), "repeats": repeats, "batch": 1}
+        inputs = {"dtype": engine.precision.label("none"), "decode_tokens": decode_tokens,
+                  "short_prompt_tokens": len(short), "prefill_tokens": len(long), "repeats": repeats, "batch": 1}
         return {**_report(engine, config, inputs, modes, samples, sizes, peer, peer_reason), "kernel_paths": paths}
     finally:
         if peer:
             peer.close()
         engine.close()
-
-
-def _label(engine: Engine, mode: str) -> str:
-    return str(engine.dtype).removeprefix("torch.") if mode == "none" else mode
 
 
 def _open_peer(engine: Engine, short: list[int], prefill_len: int, progress: Progress) -> tuple[Any, str | None]:
@@ -115,7 +111,7 @@ def _report(engine: Engine, config: EngineConfig, inputs: dict[str, Any], modes:
     prefill = {m: median(samples[f"{m}_prefill"]) for m in modes}
     hd, hp = median(samples["hf_decode"]), median(samples["hf_prefill"])
     od, op = decode["none"], prefill["none"]
-    rows = [{"weights": _label(engine, m), "decode_tok_s": decode[m], "tpot_ms": 1000 / decode[m],
+    rows = [{"weights": engine.precision.label(m), "decode_tok_s": decode[m], "tpot_ms": 1000 / decode[m],
              "decode_vs_first": ratio(decode[m], od), "prefill_tok_s": prefill[m],
              "prefill_vs_first": ratio(prefill[m], op), "ttft_ms": median(samples[f"{m}_ttft"]),
              # every decode step reads all weights once: bytes x steps/s
@@ -138,6 +134,6 @@ def _report(engine: Engine, config: EngineConfig, inputs: dict[str, Any], modes:
                               "goal": ">= 0.95x fp32 (int8 and int4)",
                               "met": None if slowest_prefill is None else slowest_prefill / op >= 0.95},
         "llamacpp": llamacpp_peer.section(peer, peer_reason, samples["peer_decode"], samples["peer_prefill"],
-                                          ours_decode={_label(engine, m): decode[m] for m in modes},
+                                          ours_decode={engine.precision.label(m): decode[m] for m in modes},
                                           prefill_tok_s=op),
     }

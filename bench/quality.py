@@ -66,7 +66,7 @@ def perplexity(engine: Engine, ids: list[int]) -> float:
 def _row(engine: Engine, mode: str, base_ppl: float, ppl: float, base: list[list[int]],
          out: list[list[int]]) -> dict[str, Any]:
     same = sum(a == b for x, y in zip(base, out) for a, b in zip(x, y))
-    return {"weights": str(engine.dtype).removeprefix("torch.") if mode == "none" else mode,
+    return {"weights": engine.precision.label(mode),
             "model_mb": engine.precision.resident_bytes / 1e6, "perplexity": ppl,
             "perplexity_vs_first": ppl / base_ppl, "greedy_match": same / sum(map(len, base)),
             "identical_outputs": f"{sum(x == y for x, y in zip(base, out))} of {len(base)}"}

@@ -1,11 +1,12 @@
 """Whether speculative decoding and quantized weights pay on this machine, measured while
 decoding: the UI should say when an optimization does not help here, with the figures.
 
-Speculative decoding (SpecPayoff) is turned off when it does not pay. A draft pays only when drafting and verifying k tokens costs less than the tokens it saves: on
-a CPU where int8 is barely faster than fp32, the int8 self-draft slowed decoding to 0.7x
-(README). Rather than guess from the CPU's features, the engine measures: decode-only steps'
-tokens per request-second with drafts, and, every PROBE_EVERY speculative steps, one step of the
-same batch without drafts (a probe). Once both are measured at one batch size, a method making
+Speculative decoding (SpecPayoff) is turned off when it does not pay. A draft pays only when
+drafting and verifying k tokens costs less than the tokens it saves: on a CPU where int8 is
+barely faster than fp32, the int8 self-draft slowed decoding to 0.7x (README). Rather than
+guess from the CPU's features, the engine measures: decode-only steps' tokens per
+request-second with drafts, and, every PROBE_EVERY speculative steps, one step of the same batch
+without drafts (a probe). Once both are measured at one batch size, a method making
 fewer than LOSS x the plain rate is turned off with the two figures as the reason.
 
 Quantized weights (QuantPayoff) are compared with the mode before them the same way, and kept:
@@ -17,6 +18,7 @@ from collections import defaultdict, deque
 from statistics import median
 from typing import Any
 
+
 def decode_only(items: list[Any]) -> bool:
     """A step of running decodes only (scheduled items): prefill chunks would make its time say
     nothing of decoding."""
@@ -27,17 +29,20 @@ PROBE_EVERY = 8          # speculative steps between probes
 MIN_SPEC_STEPS = 16      # measured steps with drafts before a verdict
 MIN_PROBES = 2
 LOSS = 0.95              # below this share of the plain rate, speculation does not pay
+SPEC_WINDOW = 64         # the recent steps a rate is the median of (a server runs for days)
 
 
 class SpecPayoff:
+    """Decode-only steps' tokens per request-second, with drafts and in probes without, per
+    batch size; the verdict that speculation does not pay once both are measured."""
+
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
-        """Forget what was measured (the method, the weights or the draft length changed)."""
-        # per batch size: each step's tokens per request-second
-        self._with: dict[int, list[float]] = defaultdict(list)
-        self._without: dict[int, list[float]] = defaultdict(list)
+        """Forget what was measured (the method or the draft length changed)."""
+        self._with: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=SPEC_WINDOW))
+        self._without: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=SPEC_WINDOW))
         self._since_probe = 0
 
     def probe_now(self) -> bool:
@@ -67,7 +72,7 @@ class SpecPayoff:
             return None
         return (f"{method} decoded {spec:.1f} tok/s per request against {plain:.1f} without drafts on "
                 f"this machine ({len(with_)} steps measured at batch {requests}): drafting and "
-                f"verifying cost more than the tokens it saved")
+                f"verifying cost more than the tokens they saved")
 
 
 QUANT_STEPS = 8          # decode-only steps at one batch size in each mode before comparing

@@ -46,16 +46,16 @@ class WeightPrecision:
         returns the mode in effect, with a notice when `mode` cannot run here."""
         reason = self.supported(mode)
         if reason is not None:
-            notices.append(f"{reason}; running {str(self.dtype).removeprefix('torch.')}")
+            notices.append(f"{reason}; running {self.label('none')}")
             mode = "none"
-        if mode != self.mode:
-            old, before = self.mode, self.resident_bytes
+        old, before = self.mode, self.resident_bytes
+        if mode != old:
             place_weights(self.loaded, self.device, self.dtype, mode)
             release_freed_memory(self.device)
-            self._measure()
+        self._measure()
+        if mode != old:
             self.payoff.switched(self.label(old), self.label(mode) if mode != "none" else None,
                                  f"{before / 1e6:,.0f} -> {self.resident_bytes / 1e6:,.0f} MB of weights")
-        self._measure()
         return mode
 
     def label(self, mode: str) -> str:
