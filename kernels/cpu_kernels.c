@@ -557,6 +557,31 @@ static void q4_rows(const void *p, int lo, int hi) {
     free(pf);
 }
 
+/* int8 weights (stored q + 128) to fp32, out[N, K] = q * scales[n], for long prefills (BLAS);
+ * rows split over the pool (torch's three element-wise passes made int8 prefill 0.84x fp32). */
+struct u8_unpack_job {
+    const uint8_t *w;
+    const float *scales;
+    float *out;
+    int K;
+};
+
+static void u8_unpack_rows(const void *p, int lo, int hi) {
+    const struct u8_unpack_job *j = p;
+    for (int n = lo; n < hi; n++) {
+        const uint8_t *wr = j->w + (int64_t)n * j->K;
+        float s = j->scales[n], *o = j->out + (int64_t)n * j->K;
+#pragma omp simd
+        for (int k = 0; k < j->K; k++)
+            o[k] = s * (float)((int)wr[k] - 128);
+    }
+}
+
+void pd_unpack_u8(const uint8_t *w, const float *scales, float *out, int N, int K, int threads) {
+    struct u8_unpack_job job = {w, scales, out, K};
+    parallel_rows(u8_unpack_rows, &job, N, row_chunk(N, threads), threads);
+}
+
 /* 4-bit weights to fp32 (out[N, K]) for long prefills, which BLAS computes faster than the
  * integer products; rows split over the pool. */
 struct q4_unpack_job {
