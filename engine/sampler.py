@@ -59,6 +59,17 @@ def usable(probs: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(probs).all(-1) & (probs >= 0).all(-1) & (probs.sum(-1) > 0)
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from a distribution (probs [V]: non-negative, not all zero), by the inverse of
+    its cumulative sum at one uniform draw from `generator`. torch.multinomial drew a random
+    number per token: 1.1 ms over a 49K vocabulary on a CPU, a quarter of a small model's
+    sampled decode step. The sum is in float64, so no token of non-zero probability is lost to
+    rounding; a zero-probability token is never chosen (its cumulative sum does not rise)."""
+    cdf = probs.double().cumsum(0)
+    u = torch.rand(1, generator=generator, dtype=torch.float64, device=probs.device) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, u, right=True)[0]), probs.shape[0] - 1)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> torch.Tensor:
     """logits [B, V] -> token ids [B] (on logits' device); NO_TOKEN where a row is unusable."""
@@ -71,5 +82,5 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     out = probs.argmax(-1).masked_fill(~ok, NO_TOKEN)
     for i, (p, g, row_ok) in enumerate(zip(params, generators, ok.tolist())):
         if not p.greedy and row_ok:
-            out[i] = torch.multinomial(probs[i], 1, generator=g)[0]
+            out[i] = draw(probs[i], g)
     return out

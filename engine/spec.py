@@ -22,7 +22,7 @@ import torch
 
 from .errors import SamplingFailed
 from .model_runner import ModelRunner, Work
-from .sampler import target_probs, usable
+from .sampler import draw, target_probs, usable
 from .sequence import Sequence
 
 
@@ -97,7 +97,7 @@ class DraftProposer:
                     if seq.params.greedy:
                         token = int(p[row].argmax())
                     else:
-                        token = int(torch.multinomial(p[row], 1, generator=seq.generator)[0])
+                        token = draw(p[row], seq.generator)
                     drafts[i].tokens.append(token)
                     probs[i].append(p[row])
                     if len(drafts[i].tokens) < ks[i]:
@@ -142,7 +142,7 @@ def verify(target_logits: torch.Tensor, draft: Draft, seq: Sequence,
 def _pick(probs: torch.Tensor, seq: Sequence, generator: torch.Generator | None) -> int:
     if seq.params.greedy:
         return int(probs.argmax())
-    return int(torch.multinomial(probs, 1, generator=generator)[0])
+    return draw(probs, generator)
 
 
 class AdaptiveK:

@@ -129,3 +129,21 @@ def test_a_greedy_row_stays_one_hot_beside_a_nan_row():
     logits = torch.tensor([[0.0, 3.0, 1.0], [float("nan")] * 3])
     probs = target_probs(logits, [SamplingParams(temperature=0.0), sp()])
     assert probs[0].tolist() == [0.0, 1.0, 0.0] and bool(probs[1].isnan().all())
+
+
+def test_draw_follows_the_distribution_and_never_picks_a_zero():
+    """draw's inverse-CDF pick: frequencies match the probabilities (chi-square), tokens of zero
+    probability (at either end and inside) never come, a seeded generator repeats its tokens."""
+    from pdchat.engine.sampler import draw
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0])
+    g = torch.Generator().manual_seed(7)
+    n = 20000
+    counts = torch.bincount(torch.tensor([draw(probs, g) for _ in range(n)]), minlength=6).double()
+    assert counts[0] == counts[2] == counts[5] == 0
+    expected = probs.double()[[1, 3, 4]] * n
+    chi2 = float(((counts[[1, 3, 4]] - expected) ** 2 / expected).sum())
+    assert chi2 < 13.8                                      # p = 0.001 for 2 degrees of freedom
+    tiny = torch.full((49152,), 1e-12)
+    tiny[-1] = 1.0                                          # almost all mass on the last of a big vocabulary
+    assert all(draw(tiny, torch.Generator().manual_seed(s)) == 49151 for s in range(20))
+    assert [draw(probs, torch.Generator().manual_seed(3)) for _ in range(2)] == [draw(probs, torch.Generator().manual_seed(3))] * 2

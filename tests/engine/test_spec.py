@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pdchat.engine import Engine, SamplingParams
+from pdchat.engine.sampler import draw
 from pdchat.engine.sequence import Sequence
 from pdchat.engine.spec import AdaptiveK, Draft, NgramProposer, verify
 
@@ -210,7 +211,7 @@ def test_draft_proposer_samples_with_the_request_generator():
 
     g = torch.Generator().manual_seed(5)
     uniform = torch.full((V,), 1.0 / V)
-    want = [int(torch.multinomial(uniform, 1, generator=g)[0]) for _ in range(k)]
+    want = [draw(uniform, g) for _ in range(k)]
     torch.manual_seed(0)
     assert drafted(5) == want and drafted(5) == want and drafted(6) != want
 
@@ -257,7 +258,7 @@ def test_verify_draws_its_tokens_from_the_request_generator():
     logits = torch.randn(2, V, generator=torch.Generator().manual_seed(1))
     p = logits.softmax(-1)
     for seed in range(5):
-        want = int(torch.multinomial(p[0], 1, generator=torch.Generator().manual_seed(seed))[0])
+        want = draw(p[0], torch.Generator().manual_seed(seed))
         torch.manual_seed(100 + seed)                       # the global generator must not be used
         assert verify(logits[:1], Draft([], None), seq, torch.Generator().manual_seed(seed)) == ([want], 0)
         masked = logits.clone()
@@ -265,7 +266,7 @@ def test_verify_draws_its_tokens_from_the_request_generator():
         g = torch.Generator().manual_seed(seed)
         torch.rand(1, generator=g)                            # verify's accept draw
         residual = masked[0].softmax(-1)
-        want = int(torch.multinomial(residual, 1, generator=g)[0])
+        want = draw(residual, g)
         assert verify(masked, Draft([7], None), seq, torch.Generator().manual_seed(seed)) == ([want], 0)
 
 
@@ -287,7 +288,7 @@ def test_verify_accepts_p_equal_q_without_drawing():
     logits = torch.randn(2, V, generator=torch.Generator().manual_seed(2))
     p = logits.softmax(-1)
     for seed in range(5):
-        want = int(torch.multinomial(p[1], 1, generator=torch.Generator().manual_seed(seed))[0])
+        want = draw(p[1], torch.Generator().manual_seed(seed))
         out = verify(logits, Draft([11], p[:1].clone()), seq, torch.Generator().manual_seed(seed))
         assert out == ([11, want], 1)
 
