@@ -21,15 +21,15 @@ import torch
 from . import settings
 from .block_manager import BlockManager
 from .config import EngineConfig, SamplingParams
-from .errors import ContextTooLong, EngineClosed, InvalidRequest, KVCacheTooSmall
+from .errors import ContextTooLong, EngineClosed, KVCacheTooSmall
 from .loader import load, pick_device, pick_dtype
 from .memory import release_freed_memory
 from .metrics import EngineStats, StepMeter, collect_stats
 from .model_runner import ModelRunner, StepLogits, Work
 from .model_source import resolve
 from .output_processor import OutputProcessor
-from .payoff import decode_only
-from .precision import WeightPrecision
+from .precision import WeightPrecision, unsupported
+from .runtime_settings import RuntimeSettings
 from .prompt import Prompt, encode_prompt
 from .resources import chunk_for, kernel_backend, kv_pool_blocks
 from .sampler import NO_TOKEN, sample
@@ -53,17 +53,16 @@ class Engine:
                  **overrides: Any):
         cfg = replace(config or EngineConfig(), **overrides)
         self.device = pick_device(cfg.device)
-        self.config = cfg = replace(cfg, chunk_size=chunk_for(cfg.chunk_size, self.device))
+        cfg = replace(cfg, chunk_size=chunk_for(cfg.chunk_size, self.device))
         self.dtype = pick_dtype(cfg.dtype, self.device)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        self.notices: list[str] = []             # things a UI should tell the user once (take_notices)
-        self._notices_taken = 0
-        self.ops = kernel_backend(cfg.kernels, self.device, self.dtype, self.notices)
+        notices: list[str] = []
+        self.ops = kernel_backend(cfg.kernels, self.device, self.dtype, notices)
         self.files = resolve(cfg.model, say)
         say(f"loading {cfg.model} on {self.device} ({str(self.dtype).removeprefix('torch.')})…")
-        # Quantized weights are made as the checkpoint is read (_set_quant below says why not, if not).
-        quant_mode = cfg.quant if cfg.quant != "int8" or self.ops.int8_supported(self.device) else "none"
+        # Quantized weights are made as the checkpoint is read (RuntimeSettings says why not, if not).
+        quant_mode = cfg.quant if unsupported(cfg.quant, self.ops, self.device) is None else "none"
         self.loaded = load(self.files, self.device, self.dtype, seed=cfg.seed, ops=self.ops, quant_mode=quant_mode)
         self.tokenizer = self.loaded.tokenizer
         self.model_config = mc = self.loaded.config
@@ -79,9 +78,8 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, max_num_seqs=cfg.max_num_seqs, chunk_size=cfg.chunk_size,
                                    kv_cache=cfg.kv_cache)
         self.runner = ModelRunner(self.loaded.model, mc, self.device, self.dtype, num_blocks, cfg.block_size)
-        self._set_quant(cfg.quant)
-        self._set_spec(cfg.spec)
-        self.speculative.weigh(not cfg.spec_always)
+        self.settings = RuntimeSettings(cfg, notices, self.device, self.scheduler, self.blocks, self.speculative,
+                                        self.precision)
         # Layer-by-layer prefill reports on a CPU only: a GPU queues the layers in microseconds.
         self.outputs = OutputProcessor(self.tokenizer, self.loaded.eos_token_ids, self.max_model_len,
                                        self.scheduler, self.blocks, self.speculative,
@@ -153,13 +151,20 @@ class Engine:
             finally:
                 self.blocks.free_seq(seq)
 
+    @property
+    def config(self) -> EngineConfig:
+        """The settings in force (runtime_settings.py changes them)."""
+        return self.settings.config
+
+    @property
+    def notices(self) -> list[str]:
+        return self.settings.notices
+
     def take_notices(self) -> list[str]:
         """The notices not taken yet, each once: fallbacks at load, and settings the engine
         changed itself at run time (speculation that did not pay, a self-draft refused beside new
         weights), in words for the user."""
-        taken = self.notices[self._notices_taken:]
-        self._notices_taken += len(taken)
-        return taken
+        return self.settings.take_notices()
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> StepPlan:
@@ -175,7 +180,9 @@ class Engine:
         if not plan.items:
             return plan
         self.outputs.prefill_starting(plan.items)
-        drafts, reserved = ({}, []) if not self.scheduler.kv_cache else \
+        decoding = plan.decode_only              # a step whose time says how fast decoding is (payoff.py)
+        probe = decoding and self.speculative.probe_now()     # plain decoding, to compare drafts with
+        drafts, reserved = ({}, []) if probe or not self.scheduler.kv_cache else \
             self.speculative.propose(plan.items, self.blocks, self.max_model_len)
         try:
             out = self.runner.run_step(plan.items, {i: d.tokens for i, d in drafts.items()},
@@ -183,26 +190,16 @@ class Engine:
         except Exception as e:
             self.outputs.fail([item.seq for item in plan.items], e)
             return plan
-        made_before = sum(item.seq.num_output_tokens for item in plan.items)
+        counting = decoding and self.speculative.weighing
+        made_before = sum(item.seq.num_output_tokens for item in plan.items) if counting else 0
         sampled = self._sample(plan, out, drafts)
         self.outputs.process(plan, out, drafts, reserved, sampled, self._generator)
         seconds = time.perf_counter() - t0
         self.meter.record(plan, sum(len(d.tokens) for d in drafts.values()), seconds, self.precision.read_bytes)
-        self._weigh(plan, bool(drafts), sum(item.seq.num_output_tokens for item in plan.items) - made_before,
-                    seconds)
+        if decoding:
+            made = sum(item.seq.num_output_tokens for item in plan.items) - made_before if counting else 0
+            self.settings.weigh(len(plan.items), bool(drafts), made, seconds)
         return plan
-
-    def _weigh(self, plan: StepPlan, drafted: bool, made: int, seconds: float) -> None:
-        """What this step says of the optimizations in force (payoff.py): speculation that does
-        not pay here stops, quantized weights that are no faster here are explained."""
-        reason = self.speculative.measured(plan.items, drafted, made, seconds)
-        if reason is not None:
-            self.notices.append(f"speculative decoding turned off: {reason}")
-            self._set_spec("off")
-        if not drafted and decode_only(plan.items):
-            said = self.precision.measured(len(plan.items), seconds)
-            if said is not None:
-                self.notices.append(said)
 
     def _sample(self, plan: StepPlan, out: StepLogits, drafts: dict[int, Draft]) -> dict[int, list[int]]:
         """One token for each item that samples without a draft; NO_TOKEN rows are left out
@@ -220,45 +217,7 @@ class Engine:
         """Change runtime settings (RUNTIME_SETTINGS); they apply from the next step."""
         self._check_open()
         with self.loop.lock:
-            unknown = set(changes) - set(RUNTIME_SETTINGS)
-            if unknown:
-                raise InvalidRequest(f"unknown engine setting(s): {', '.join(sorted(unknown))}")
-            if "chunk_size" in changes:
-                changes["chunk_size"] = chunk_for(changes["chunk_size"], self.device)
-            self.config = cfg = replace(self.config, **changes)     # validates
-            self.scheduler.kv_cache = cfg.kv_cache
-            self.scheduler.chunk_size = cfg.chunk_size
-            self.scheduler.max_num_seqs = cfg.max_num_seqs
-            if "spec_tokens" in changes:
-                self.speculative.set_tokens(cfg.spec_tokens)
-            if "spec_always" in changes:
-                self.speculative.weigh(not cfg.spec_always)
-            if "quant" in changes:
-                self._set_quant(cfg.quant)
-                # K/V computed with other weights must not be reused as a prefix.
-                self.blocks.set_prefix_cache(False)
-                if self.config.spec == "draft" and "spec" not in changes:
-                    self._recheck_draft()
-            if "spec" in changes:
-                self._set_spec(cfg.spec)
-            if changes.keys() & {"prefix_cache", "kv_cache", "quant"}:
-                self.blocks.set_prefix_cache(cfg.prefix_cache and cfg.kv_cache)
-
-    def _set_quant(self, mode: str) -> None:
-        self.config = replace(self.config, quant=self.precision.set(mode, self.notices))
-
-    def _recheck_draft(self) -> None:
-        """The weights changed under a running draft: a self-draft that no longer fits them stops,
-        with a notice, rather than failing the change."""
-        try:
-            self._set_spec("draft")
-        except InvalidRequest as e:
-            self.notices.append(f"speculative decoding turned off: {e}")
-            self._set_spec("off")
-
-    def _set_spec(self, mode: str) -> None:
-        self.speculative.set_mode(mode, self.blocks)
-        self.config = replace(self.config, spec=mode)
+            self.settings.update(changes)
 
     # ---- snapshot and shutdown ------------------------------------------------------------
     def stats(self) -> EngineStats:

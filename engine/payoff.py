@@ -16,14 +16,6 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from statistics import median
-from typing import Any
-
-
-def decode_only(items: list[Any]) -> bool:
-    """A step of running decodes only (scheduled items): prefill chunks would make its time say
-    nothing of decoding."""
-    return all(item.num_tokens == 1 and item.samples for item in items)
-
 
 PROBE_EVERY = 8          # speculative steps between probes
 MIN_SPEC_STEPS = 16      # measured steps with drafts before a verdict

@@ -6,12 +6,21 @@ The int8 self-draft is the exception: it runs int8 copies kept beside full-preci
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from . import quant
 from .loader import LoadedModel, place_weights
 from .memory import release_freed_memory
 from .payoff import QuantPayoff
+
+
+def unsupported(mode: str, ops: SimpleNamespace, device: torch.device) -> str | None:
+    """Why weights in `mode` cannot run on `device` with the kernel backend `ops`, or None."""
+    if mode == "int8" and not ops.int8_supported(device):
+        return f"int8 weights are not supported on {device} by this torch build"
+    return None
 
 
 class WeightPrecision:
@@ -37,9 +46,7 @@ class WeightPrecision:
 
     def supported(self, mode: str) -> str | None:
         """Why `mode` cannot run here, or None."""
-        if mode == "int8" and not self.loaded.quant.ops.int8_supported(self.device):
-            return f"int8 weights are not supported on {self.device} by this torch build"
-        return None
+        return unsupported(mode, self.loaded.quant.ops, self.device)
 
     def set(self, mode: str, notices: list[str]) -> str:
         """Switch to `mode` (none | int8 | int4), reading the weights again when it changes;

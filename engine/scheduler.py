@@ -41,6 +41,11 @@ class StepPlan:
     def num_decode_tokens(self) -> int:
         return sum(i.num_tokens for i in self.items if not i.seq.in_prefill)
 
+    @property
+    def decode_only(self) -> bool:
+        """Running decodes only, one token each: such a step's time says how fast decoding is."""
+        return all(i.num_tokens == 1 and i.samples for i in self.items)
+
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, *, max_num_seqs: int, chunk_size: int | None,

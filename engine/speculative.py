@@ -19,7 +19,7 @@ from .precision import WeightPrecision
 from .scheduler import ScheduledSeq
 from .sequence import Sequence
 from .spec import AdaptiveK, Draft, DraftProposer, NgramProposer, Proposer, verify
-from .payoff import SpecPayoff, decode_only
+from .payoff import SpecPayoff
 
 
 class SpeculativeDecoder:
@@ -98,12 +98,21 @@ class SpeculativeDecoder:
         """Whether speculation is measured against plain decoding and stopped where it does not pay."""
         self.payoff = SpecPayoff() if on else None
 
+    @property
+    def weighing(self) -> bool:
+        """Speculation runs and is being measured (payoff.py)."""
+        return self.proposer is not None and self.payoff is not None
+
+    def probe_now(self) -> bool:
+        """Whether the next decode-only step runs without drafts, to measure plain decoding."""
+        return self.weighing and self.payoff.probe_now()
+
     def propose(self, items: list[ScheduledSeq], blocks: BlockManager,
                 max_model_len: int) -> tuple[dict[int, Draft], list[int]]:
         """Drafts for this step's running decodes, by item index, with blocks reserved for them;
         also every index that reserved blocks (a verify may leave them to roll back)."""
-        if self.proposer is None or (self.payoff is not None and self.payoff.probe_now() and decode_only(items)):
-            return {}, []                      # a probe: this step measures decoding without drafts
+        if self.proposer is None:
+            return {}, []
         candidates, ks = [], []
         for idx, item in enumerate(items):
             seq = item.seq
@@ -119,12 +128,12 @@ class SpeculativeDecoder:
         drafts = self.proposer.propose([items[i].seq for i in candidates], ks)
         return {i: d for i, d in zip(candidates, drafts) if d.tokens}, candidates
 
-    def measured(self, items: list[ScheduledSeq], drafted: bool, tokens: int, seconds: float) -> str | None:
-        """After a step that made `tokens` tokens: why speculation should stop because it
-        measurably does not pay here (payoff.py), or None."""
-        if self.proposer is None or self.payoff is None or not decode_only(items):
+    def measured(self, requests: int, drafted: bool, tokens: int, seconds: float) -> str | None:
+        """After a decode-only step of `requests` that made `tokens` tokens: why speculation
+        should stop because it measurably does not pay here (payoff.py), or None."""
+        if not self.weighing:
             return None
-        return self.payoff.record(len(items), tokens, seconds, drafted, self.proposer.name)
+        return self.payoff.record(requests, tokens, seconds, drafted, self.proposer.name)
 
     def verify(self, seq: Sequence, draft: Draft, logits: torch.Tensor,
                generator: torch.Generator) -> list[int]:

@@ -193,17 +193,41 @@ def library(cache_dir: Path, int8: str | None = None) -> ctypes.CDLL:
     return lib
 
 
+class SlicedBlas:
+    """x @ W^T (+ bias) with BLAS for a matrix held quantized: W unpacked UNPACK_FLOATS at a time
+    into one buffer kept for the next call. Unpacking a whole matrix into new memory per call
+    (page faults on hundreds of MB) took 3x the product itself (measured, README)."""
+
+    def __init__(self) -> None:
+        self._slice: torch.Tensor | None = None
+
+    def matmul(self, x: torch.Tensor, N: int, unpack: Callable[[int, int, torch.Tensor], None],
+               bias: torch.Tensor | None) -> torch.Tensor:
+        """unpack(n0, n1, out) writes rows n0:n1 of W, as floats, into out."""
+        K = x.shape[1]
+        rows = max(1, min(N, UNPACK_FLOATS // K))
+        if self._slice is None or self._slice.numel() < rows * K:
+            self._slice = torch.empty(rows * K)
+        y = x.new_empty(x.shape[0], N)
+        for n0 in range(0, N, rows):
+            n1 = min(N, n0 + rows)
+            w = self._slice[:(n1 - n0) * K].view(n1 - n0, K)
+            unpack(n0, n1, w)
+            torch.mm(x, w.t(), out=y[:, n0:n1])
+        return y.add_(bias) if bias is not None else y
+
+
 class CpuKernels:
     """The backend's functions bound to one build of the library.
 
-    About 250 lines on purpose: one short method per kernel of the backend interface that
+    About 240 lines on purpose: one short method per kernel of the backend interface that
     reference.py and triton_attention.py also implement (kernels/__init__.py), each checking that
     its tensors suit the C code and falling back to the reference otherwise; split, the one
     interface would be scattered over files."""
 
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
-        self._slice: torch.Tensor | None = None     # unpacked weights for long prefills (_blas_by_slices)
+        self.sliced = SlicedBlas()                  # quantized products of long prefills
 
     # -- helpers -------------------------------------------------------------------------------
     @staticmethod
@@ -217,23 +241,6 @@ class CpuKernels:
     def _rows(t: torch.Tensor) -> bool:
         """Rows of contiguous [.., D] blocks at any row stride (views into a fused projection)."""
         return t.stride(-1) == 1 and (t.dim() == 2 or t.stride(1) == t.shape[2])
-
-    def _blas_by_slices(self, x: torch.Tensor, N: int, unpack: Callable[[int, int, torch.Tensor], None],
-                        bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ W^T (+ bias) with BLAS, W unpacked from its quantized form UNPACK_FLOATS at a time
-        into one buffer kept for the next call: unpacking a whole matrix into new memory per call
-        (page faults on hundreds of MB) took 3x the product itself (measured, README)."""
-        K = x.shape[1]
-        rows = max(1, min(N, UNPACK_FLOATS // K))
-        if self._slice is None or self._slice.numel() < rows * K:
-            self._slice = torch.empty(rows * K)
-        y = x.new_empty(x.shape[0], N)
-        for n0 in range(0, N, rows):
-            n1 = min(N, n0 + rows)
-            w = self._slice[:(n1 - n0) * K].view(n1 - n0, K)
-            unpack(n0, n1, w)
-            torch.mm(x, w.t(), out=y[:, n0:n1])
-        return y.add_(bias) if bias is not None else y
 
     # -- matrix products -------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -267,7 +274,7 @@ class CpuKernels:
             def unpack(n0: int, n1: int, out: torch.Tensor) -> None:
                 self.lib.pd_unpack_u8(packed[n0].data_ptr(), scales[n0].data_ptr(), out.data_ptr(), n1 - n0,
                                       packed.shape[1], torch.get_num_threads())
-            return self._blas_by_slices(x, packed.shape[0], unpack, bias)
+            return self.sliced.matmul(x, packed.shape[0], unpack, bias)
         x = x.contiguous()
         y = x.new_empty(x.shape[0], packed.shape[0])
         status = self.lib.pd_linear_u8(x.data_ptr(), packed.data_ptr(), scales.data_ptr(),
@@ -288,14 +295,15 @@ class CpuKernels:
             def unpack(n0: int, n1: int, out: torch.Tensor) -> None:
                 self.lib.pd_unpack_q4(packed[n0].data_ptr(), params[n0].data_ptr(), out.data_ptr(), n1 - n0, K,
                                       torch.get_num_threads())
-            return self._blas_by_slices(x, N, unpack, bias)
+            return self.sliced.matmul(x, N, unpack, bias)
         x = x.contiguous()
         y = x.new_empty(x.shape[0], N)
         status = self.lib.pd_linear_q4(x.data_ptr(), packed.data_ptr(), params.data_ptr(),
                                        bias.data_ptr() if bias is not None else None, y.data_ptr(),
                                        x.shape[0], N, K, torch.get_num_threads())
         if status != 0:
-            raise MemoryError("int4 matmul: out of memory for the quantized activations")
+            raise MemoryError("int4 matmul: out of memory for the quantized activations (or rows wider "
+                              "than quant.INT4_MAX_WIDTH)")
         return y
 
     @staticmethod

@@ -521,16 +521,13 @@ struct q4_job {
     int M, N, K;
 };
 
+/* The widest row int4 takes (quant.INT4_MAX_WIDTH): a row's params fit a 16 KB stack buffer. */
+#define Q4_MAX_GROUPS 2048
+
 static void q4_rows(const void *p, int lo, int hi) {
     const struct q4_job *j = p;
     int ng = j->K / Q4_GROUP;
-    float *pf = malloc(sizeof(float) * 2 * (size_t)ng);     /* one weight row's (d, m) as floats */
-    if (!pf) {
-        for (int n = lo; n < hi; n++)
-            for (int m = 0; m < j->M; m++)
-                j->y[(int64_t)m * j->N + n] = NAN;    /* visible, never silently wrong */
-        return;
-    }
+    float pf[2 * Q4_MAX_GROUPS];                /* one weight row's (d, m) as floats */
     for (int n = lo; n < hi; n++) {
         const uint8_t *wr = j->w + (int64_t)n * (j->K / 2);
         const uint16_t *pr = j->params + (int64_t)n * 2 * ng;
@@ -554,7 +551,6 @@ static void q4_rows(const void *p, int lo, int hi) {
                 j->y[(int64_t)(m + r) * j->N + n] = out[r] + dot_f32(pf, j->xz + 2 * (int64_t)(m + r) * ng, 2 * ng) + b;
         }
     }
-    free(pf);
 }
 
 /* int8 weights (stored q + 128) to fp32, out[N, K] = q * scales[n], for long prefills (BLAS);
@@ -612,10 +608,13 @@ void pd_unpack_q4(const uint8_t *w, const uint16_t *params, float *out, int N, i
     parallel_rows(q4_unpack_rows, &job, N, row_chunk(N, threads), threads);
 }
 
-/* K must be a multiple of 64. Returns -1 if out of memory (the caller raises). */
+/* K must be a multiple of 64, at most 64 * Q4_MAX_GROUPS / 2. Returns -1 if out of memory or K is
+ * wider (the caller raises). */
 int pd_linear_q4(const float *x, const uint8_t *w, const uint16_t *params, const float *bias, float *y,
                  int M, int N, int K, int threads) {
     int ng = K / Q4_GROUP;
+    if (ng > Q4_MAX_GROUPS)
+        return -1;
     int8_t *xq = malloc((size_t)M * K);
     float *xs = malloc(sizeof(float) * (Q4_XS_LANES + 2) * (size_t)M * ng);
     if (!xq || !xs) {

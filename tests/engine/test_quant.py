@@ -33,6 +33,8 @@ def test_int4_groups_span_their_own_range():
 def test_fits_names_the_widths_int4_takes():
     assert quant.fits("int4", torch.empty(8, 128)) and not quant.fits("int4", torch.empty(8, 96))
     assert quant.fits("int8", torch.empty(8, 96))
+    assert quant.fits("int4", torch.empty(8, quant.INT4_MAX_WIDTH, device="meta"))
+    assert not quant.fits("int4", torch.empty(8, quant.INT4_MAX_WIDTH + 64, device="meta"))    # stays int8
 
 
 def logits_of(engine: Engine) -> torch.Tensor:

@@ -140,6 +140,15 @@ def test_int4_product_at_the_extremes_is_exact(ops):
     torch.testing.assert_close(ops.linear_int4(x, packed, params).double(), want, rtol=1e-6, atol=1e-4)
 
 
+def test_int4_rows_wider_than_the_kernel_takes_are_refused(ops):
+    from pdchat.engine.quant import INT4_MAX_WIDTH
+    K = INT4_MAX_WIDTH + 64
+    packed = torch.zeros(2, K // 2, dtype=torch.uint8)
+    params = torch.zeros(2, K // 32, 2, dtype=torch.bfloat16)
+    with pytest.raises(MemoryError, match="wider than"):
+        ops.linear_int4(torch.zeros(1, K), packed, params)
+
+
 @pytest.mark.parametrize("slice_rows", [None, 7])          # None: one slice; 7: eleven and a ragged end
 def test_prefill_sized_quantized_products_unpack_to_blas_slice_by_slice(ops, slice_rows, monkeypatch):
     if slice_rows is not None:
