@@ -13,8 +13,9 @@ speed. Measured alone, as its users run it, it is not handicapped. Each measurem
 inside the child; the parent only asks for it, so the peer still takes turns with ours.
 
 Optional: `llama-cpp-python` (`pip install 'pdchat[peer]'`, a from-source C++ build) is not a
-dependency. When it is not importable, or the model has no GGUF, `open_peer` returns a reason
-instead and the bench runs without it. This file is also the child's script (stdlib imports
+dependency. When it is not importable (`missing`), llama.cpp rejects the file (`open_peer`), or
+no file can be made for the model (gguf_export.ExportUnavailable), the bench gets a reason
+instead and runs without the peer. This file is also the child's script (stdlib imports
 only at the top, so it runs without the pdchat package).
 """
 from __future__ import annotations
