@@ -37,7 +37,7 @@ def _fmt(value: Any) -> str:
     return escape(str(value))                 # data, not markup: "pip install 'pdchat[peer]'" keeps its [peer]
 
 
-TITLES = {"llamacpp": "llama.cpp (optional peer: same GGUF, same threads)"}
+TITLES = {"llamacpp": "llama.cpp (optional peer: same weights as Q4_0, same threads)"}
 
 
 def render(result: dict[str, Any], console: Console) -> None:

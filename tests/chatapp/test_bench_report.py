@@ -24,7 +24,7 @@ def test_skipped_peer_shows_why_not_a_column_of_na():
     reason = "llama-cpp-python is not installed (No module named 'llama_cpp'); pip install 'pdchat[peer]'"
     text = _text(_result(llamacpp_peer.section(None, reason, [], [], ours_decode={"int4": 25.0},
                                                prefill_tok_s=514.0)))
-    assert "llama.cpp (optional peer: same GGUF, same threads)" in text
+    assert "llama.cpp (optional peer: same weights as Q4_0, same threads)" in text
     assert "pip install 'pdchat[peer]'" in text and ">= 1.0x (int4 decode vs Q4_0)" in text
     assert "llamacpp decode tok s" not in text and text.count("n/a") == 1        # only `met`
 
