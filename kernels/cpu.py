@@ -163,6 +163,7 @@ _SIGNATURES = {
     "pd_store_kv": ([_P, _L, _P, _L, _P, _P, _P, _I, _I, _I], None),
     "pd_paged_attention": ([_P, _L, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _P, _I], None),
     "pd_pool_counts": ([_P, _P], None),
+    "pd_pool_spin": ([_I], None),
     "pd_layers": ([_P, _F, _P, _P, _P, _P, _P, _P, _P, _P, _L, _P, _I, _P, _P, _I, _I, _F, _I, _I], _I),
 }
 PTRS_PER_LAYER = 16        # pd_layers: qkv (weight, scales, bias), q/k norm, o (3), norm, gate_up (3), down (3), norm
@@ -217,6 +218,39 @@ class SlicedBlas:
         return y.add_(bias) if bias is not None else y
 
 
+@dataclass
+class KernelShare:
+    """The sequences of a mixed step that one attention kernel takes: their rows of q (a slice
+    when they are one run) and their own batch layout."""
+    in_c: bool
+    rows: slice | torch.Tensor
+    tables: torch.Tensor
+    starts: torch.Tensor
+    context_lens: torch.Tensor
+    qlens: list[int]
+    clens: list[int]
+
+
+def _split_by_kernel(block_tables: torch.Tensor, context_lens: torch.Tensor, qlens: list[int], clens: list[int],
+                     in_c: list[bool]) -> list[KernelShare]:
+    starts = [0]
+    for n in qlens:
+        starts.append(starts[-1] + n)
+    shares = []
+    for use_c in (True, False):
+        seqs = [i for i, flag in enumerate(in_c) if flag == use_c]
+        if seqs == list(range(seqs[0], seqs[-1] + 1)):
+            rows: slice | torch.Tensor = slice(starts[seqs[0]], starts[seqs[-1] + 1])
+        else:
+            rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs])
+        sub_qlens = [qlens[i] for i in seqs]
+        index = torch.tensor(seqs)
+        shares.append(KernelShare(use_c, rows, block_tables[index], torch.tensor([0] + sub_qlens, dtype=torch.int32)
+                                  .cumsum(0, dtype=torch.int32), context_lens[index], sub_qlens,
+                                  [clens[i] for i in seqs]))
+    return shares
+
+
 class CpuKernels:
     """The backend's functions bound to one build of the library.
 
@@ -228,6 +262,7 @@ class CpuKernels:
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
         self.sliced = SlicedBlas()                  # quantized products of long prefills
+        self._split: tuple[torch.Tensor, list[KernelShare]] | None = None   # this forward's (paged_attention)
 
     # -- helpers -------------------------------------------------------------------------------
     @staticmethod
@@ -382,8 +417,13 @@ class CpuKernels:
     def run_layers(self, plan: LayerPlan | None, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, batch) -> bool:
         """All blocks in one C call for batches whose every op the C kernels take: up to
-        LINEAR_MAX_ROWS tokens, attention in C for every sequence (decodes, verifies)."""
+        LINEAR_MAX_ROWS tokens, attention in C for every sequence (decodes, verifies).
+
+        A forward starts here, so this also sets how the C pool waits between jobs until the next:
+        spinning while C products follow one another, asleep at once where BLAS's OpenMP threads
+        take the products (above LINEAR_MAX_ROWS): a spinning worker would take a core from them."""
         T = x.shape[0]
+        self.lib.pd_pool_spin(T <= LINEAR_MAX_ROWS)
         if plan is None or T > LINEAR_MAX_ROWS or plan.head_dim > 512:
             return False
         k_cache, v_cache = batch.k_cache, batch.v_cache
@@ -429,20 +469,16 @@ class CpuKernels:
         if not any(in_c):
             return reference.paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
                                              scale, query_lens_host=qlens, context_lens_host=clens)
-        # A mixed step (say a long prefill chunk beside decodes): each sequence to its better kernel.
+        # A mixed step (say a prefill slice beside decodes): each sequence to its better kernel. The
+        # split is the same in every layer of a forward, so it is made once (tensors of one
+        # forward are the key) and a kernel's sequences in one run of rows are a view, not a copy.
+        if self._split is None or self._split[0] is not block_tables:
+            self._split = (block_tables, _split_by_kernel(block_tables, context_lens, qlens, clens, in_c))
         out = torch.empty_like(q)
-        starts = [0]
-        for n in qlens:
-            starts.append(starts[-1] + n)
-        for use_c in (True, False):
-            seqs = [i for i, flag in enumerate(in_c) if flag == use_c]
-            rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs])
-            sub_qlens = [qlens[i] for i in seqs]
-            sub_start = torch.tensor([0] + sub_qlens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-            index = torch.tensor(seqs)
-            args = (q[rows], k_cache, v_cache, block_tables[index], sub_start, context_lens[index], scale)
-            out[rows] = (self._attention_c(*args) if use_c else reference.paged_attention(
-                *args, query_lens_host=sub_qlens, context_lens_host=[clens[i] for i in seqs]))
+        for part in self._split[1]:
+            args = (q[part.rows], k_cache, v_cache, part.tables, part.starts, part.context_lens, scale)
+            out[part.rows] = (self._attention_c(*args) if part.in_c else reference.paged_attention(
+                *args, query_lens_host=part.qlens, context_lens_host=part.clens))
         return out
 
     def _attention_c(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

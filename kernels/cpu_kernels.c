@@ -73,6 +73,13 @@ void pd_pool_counts(int *workers, int *sleeping) {
     *sleeping = LOAD(pool.sleepers);
 }
 
+/* Whether idle workers spin for the next job (on: C products follow each other within
+ * microseconds) or sleep at once (off: BLAS's OpenMP threads come next, and a spinning worker
+ * would take a core from them). */
+void pd_pool_spin(int on) {
+    STORE(pool.spins, on ? POOL_SPINS : 0);
+}
+
 /* Which int8 dot product this build runs (PD_INT8_*): kernels/cpu.py names it. */
 int pd_int8_path(void) {
     return PDCHAT_INT8_PATH;

@@ -36,8 +36,9 @@ static struct {
     int n, chunk;
     long gen;
     int next, done, busy, sleepers;
+    int spins;     /* how long an idle worker spins before it sleeps (pd_pool_spin) */
 } pool = {.call = PTHREAD_MUTEX_INITIALIZER, .sleep_lock = PTHREAD_MUTEX_INITIALIZER,
-          .wake = PTHREAD_COND_INITIALIZER};
+          .wake = PTHREAD_COND_INITIALIZER, .spins = POOL_SPINS};
 
 static void run_rows(void) {
     int lo;
@@ -58,7 +59,7 @@ static void *pool_worker(void *unused) {
     long seen = 0, g;
     for (;;) {
         for (int spins = 0; !job_waiting(seen, &g); spins++) {
-            if (spins < POOL_SPINS) {
+            if (spins < LOAD(pool.spins)) {
                 cpu_relax();
                 continue;
             }

@@ -12,6 +12,8 @@ decode, and a k+1-token speculative verification.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -63,6 +65,12 @@ def _after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return out.to(q.dtype)
 
 
+@functools.lru_cache(maxsize=8)
+def _after_cached(n: int, c: int, device: torch.device) -> torch.Tensor:
+    """The mask of n queries at the end of c positions; every layer of a forward asks for the same."""
+    return torch.ones(n, c, dtype=torch.bool, device=device).tril(c - n)
+
+
 def host_lengths(query_start_loc: torch.Tensor, context_lens: torch.Tensor, query_lens_host: list[int] | None,
                  context_lens_host: list[int] | None) -> tuple[list[int], list[int]]:
     """Each sequence's query and context length as Python ints: the given lists, else read back."""
@@ -90,8 +98,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         elif n >= SPLIT_MIN_QUERIES and _FLASH_CPU is not None and q.device.type == "cpu":
             oi = _after_prefix(qi, ki, vi, scale)
         else:
-            mask = torch.ones(n, c, dtype=torch.bool, device=q.device).tril(c - n)
-            oi = _sdpa(qi, ki, vi, mask, scale)
+            oi = _sdpa(qi, ki, vi, _after_cached(n, c, q.device), scale)
         out[start:start + n] = oi[0].transpose(0, 1)
         start += n
     return out
