@@ -31,12 +31,13 @@ from .output_processor import OutputProcessor
 from .precision import WeightPrecision, unsupported
 from .runtime_settings import RuntimeSettings
 from .prompt import Prompt, encode_prompt
-from .resources import chunk_for, kernel_backend, kv_pool_blocks
+from .resources import kernel_backend, kv_pool_blocks
 from .sampler import NO_TOKEN, sample
 from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence
 from .spec import Draft
 from .speculative import SpeculativeDecoder
+from .step_cost import StepCost, pair_flops_ratio
 from .step_loop import StepLoop
 from .stream import Completion, ProgressEvent, RequestStream
 
@@ -53,7 +54,6 @@ class Engine:
                  **overrides: Any):
         cfg = replace(config or EngineConfig(), **overrides)
         self.device = pick_device(cfg.device)
-        cfg = replace(cfg, chunk_size=chunk_for(cfg.chunk_size, self.device))
         self.dtype = pick_dtype(cfg.dtype, self.device)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
@@ -75,10 +75,10 @@ class Engine:
         pool_bytes = self.kv_bytes_per_token + self.speculative.kv_bytes_per_token(cfg.spec)
         num_blocks = kv_pool_blocks(cfg, self.device, pool_bytes, self.max_model_len)
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_cache)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs=cfg.max_num_seqs, chunk_size=cfg.chunk_size,
-                                   kv_cache=cfg.kv_cache)
+        self.scheduler = Scheduler(self.blocks, StepCost(pair_flops_ratio(mc)), max_num_seqs=cfg.max_num_seqs,
+                                   chunk_size=cfg.chunk_size, step_budget=cfg.step_budget, kv_cache=cfg.kv_cache)
         self.runner = ModelRunner(self.loaded.model, mc, self.device, self.dtype, num_blocks, cfg.block_size)
-        self.settings = RuntimeSettings(cfg, notices, self.device, self.scheduler, self.blocks, self.speculative,
+        self.settings = RuntimeSettings(cfg, notices, self.scheduler, self.blocks, self.speculative,
                                         self.precision)
         # Layer-by-layer prefill reports on a CPU only: a GPU queues the layers in microseconds.
         self.outputs = OutputProcessor(self.tokenizer, self.loaded.eos_token_ids, self.max_model_len,
@@ -179,14 +179,14 @@ class Engine:
                 f"this request; raise --kv-cache-mb"))
         if not plan.items:
             return plan
-        self.outputs.prefill_starting(plan.items)
+        self.outputs.prefill_starting(plan)
         decoding = plan.decode_only              # a step whose time says how fast decoding is (payoff.py)
         probe = decoding and self.speculative.probe_now()     # plain decoding, to compare drafts with
         drafts, reserved = ({}, []) if probe or not self.scheduler.kv_cache else \
             self.speculative.propose(plan.items, self.blocks, self.max_model_len)
         try:
             out = self.runner.run_step(plan.items, {i: d.tokens for i, d in drafts.items()},
-                                       self.outputs.layer_progress(plan.items))
+                                       self.outputs.layer_progress(plan))
         except Exception as e:
             self.outputs.fail([item.seq for item in plan.items], e)
             return plan
@@ -196,6 +196,10 @@ class Engine:
         self.outputs.process(plan, out, drafts, reserved, sampled, self._generator)
         seconds = time.perf_counter() - t0
         self.meter.record(plan, sum(len(d.tokens) for d in drafts.values()), seconds, self.precision.read_bytes)
+        if plan.prompt_tokens:
+            self.scheduler.cost.record_prefill(plan.prompt_tokens, plan.prompt_pairs, seconds)
+        elif decoding and not drafts:
+            self.scheduler.cost.record_decode(seconds)
         if decoding:
             made = sum(item.seq.num_output_tokens for item in plan.items) - made_before if counting else 0
             self.settings.weigh(len(plan.items), bool(drafts), made, seconds)

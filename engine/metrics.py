@@ -90,6 +90,8 @@ class EngineStats:
     waiting: int = 0
     step_ms: float | None = None
     step_prefill_tokens: int = 0
+    sliced_step_planned_ms: float | None = None   # the last step sized by the time budget: predicted
+    sliced_step_ms: float | None = None           # ... and measured
     step_decode_tokens: int = 0
     prefix_hit_rate: float | None = None
     device: str = "cpu"
@@ -112,7 +114,8 @@ class EngineStats:
     # toggles in force, so a UI can show them next to the numbers
     prefix_cache: bool = True
     kv_cache: bool = True
-    chunk_size: int | None = None
+    chunk_size: int | str | None = None     # "auto": sized by the step budget
+    step_budget: float = 0.0
     max_num_seqs: int = 0
 
     def to_dict(self) -> dict:
@@ -126,15 +129,20 @@ class StepMeter:
     def __init__(self, kv_bytes_per_token: int):
         self.kv_bytes_per_token = kv_bytes_per_token
         self.step_ms: float | None = None
+        # The last step a time budget sized: its predicted and its measured time.
+        self.sliced_planned_ms: float | None = None
+        self.sliced_ms: float | None = None
         self.prefill_tokens = 0
         self.decode_tokens = 0                 # draft tokens verified included
         self.bandwidth: float | None = None    # bytes/s, from the last decode-only step
 
     def record(self, plan: "StepPlan", draft_tokens: int, step_s: float, weight_read_bytes: int) -> None:
         self.step_ms = step_s * 1000
-        self.prefill_tokens = plan.num_prefill_tokens
+        self.prefill_tokens = plan.prompt_tokens
         self.decode_tokens = plan.num_decode_tokens + draft_tokens
-        if not plan.num_prefill_tokens:
+        if plan.planned_s is not None:
+            self.sliced_planned_ms, self.sliced_ms = plan.planned_s * 1000, self.step_ms
+        if not plan.prompt_tokens:
             kv_read = sum(len(i.seq.token_ids) for i in plan.items) * self.kv_bytes_per_token
             self.bandwidth = achieved_bandwidth(weight_read_bytes, kv_read, 1 / step_s)
 
@@ -148,10 +156,11 @@ def collect_stats(engine: "Engine") -> EngineStats:
         kv_blocks_cached=b.num_cached_free, kv_bytes_per_token=bpt, kv_bytes_used=b.num_used * bs * bpt,
         kv_bytes_total=b.num_blocks * bs * bpt, running=len(engine.scheduler.running),
         waiting=len(engine.scheduler.waiting), step_ms=meter.step_ms, step_prefill_tokens=meter.prefill_tokens,
+        sliced_step_planned_ms=meter.sliced_planned_ms, sliced_step_ms=meter.sliced_ms,
         step_decode_tokens=meter.decode_tokens, prefix_hit_rate=b.hit_rate, device=str(engine.device),
         weight_bytes=engine.precision.read_bytes, model_bytes=engine.precision.resident_bytes,
         quant=cfg.quant, kernels=engine.ops.name,
-        prefix_cache=cfg.prefix_cache, kv_cache=cfg.kv_cache, chunk_size=cfg.chunk_size,
+        prefix_cache=cfg.prefix_cache, kv_cache=cfg.kv_cache, chunk_size=cfg.chunk_size, step_budget=cfg.step_budget,
         max_num_seqs=cfg.max_num_seqs, spec=cfg.spec, spec_tokens=cfg.spec_tokens,
         achieved_bandwidth=meter.bandwidth,
     )

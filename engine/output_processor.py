@@ -82,17 +82,21 @@ class OutputProcessor:
         seq.sink.put(FinishEvent(completion))
 
     # ---- one step's results ---------------------------------------------------------------
-    def prefill_starting(self, items: list[ScheduledSeq]) -> None:
-        """The prefill pause is visible from its first step: tell each request starting one."""
-        for item in items:
+    def prefill_starting(self, plan: StepPlan) -> None:
+        """The prefill pause is visible from its first step: tell each request starting one, with
+        the step's tokens and predicted time (a UI moves the bar by them until the first report)."""
+        for item in plan.items:
             seq = item.seq
             if seq.t_first_token is None and seq.num_computed_tokens == (seq.num_cached_prompt_tokens or 0):
-                self.progress(seq, "prefill", seq.num_computed_tokens)
+                seq.sink.put(ProgressEvent("prefill", seq.num_computed_tokens, seq.num_prompt_tokens,
+                                           seq.num_cached_prompt_tokens or 0, time.perf_counter(),
+                                           layers=self.layers if item.num_tokens >= LAYER_PROGRESS_TOKENS else 0,
+                                           step_tokens=item.num_tokens, step_s=plan.predicted_s))
 
-    def layer_progress(self, items: list[ScheduledSeq]) -> Callable[[int], None] | None:
+    def layer_progress(self, plan: StepPlan) -> Callable[[int], None] | None:
         """A forward that prefills LAYER_PROGRESS_TOKENS or more of a prompt takes seconds on a CPU:
         a callback that reports its way through the layers to those requests (None: none such)."""
-        long = [i for i in items if i.seq.in_prefill and i.num_tokens >= LAYER_PROGRESS_TOKENS]
+        long = [i for i in plan.items if i.seq.in_prefill and i.num_tokens >= LAYER_PROGRESS_TOKENS]
         if not long or not self.layers:
             return None
 
@@ -102,7 +106,8 @@ class OutputProcessor:
                 seq = item.seq
                 seq.sink.put(ProgressEvent("prefill", seq.num_computed_tokens, seq.num_prompt_tokens,
                                            seq.num_cached_prompt_tokens or 0, now, layers_done=done,
-                                           layers=self.layers, step_tokens=item.num_tokens))
+                                           layers=self.layers, step_tokens=item.num_tokens,
+                                           step_s=plan.predicted_s))
         return on_layer
 
     def process(self, plan: StepPlan, out: StepLogits, drafts: dict[int, Draft], reserved: list[int],

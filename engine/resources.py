@@ -1,6 +1,5 @@
-"""What the engine takes from the machine at start-up: a kernel backend, a KV pool size, a prefill
-chunk size. Pure choices from the config and the device; the Engine calls them once (the chunk
-also when it is changed at run time)."""
+"""What the engine takes from the machine at start-up: a kernel backend and a KV pool size. Pure
+choices from the config and the device; the Engine calls them once."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -20,20 +19,6 @@ from .paths import cache_dir
 # are in. (It was a fixed 512 MB: 11K tokens of the default model, 4K of an 8B one.)
 CPU_KV_TOKENS = 16384
 CPU_KV_MEMORY_SHARE = 0.25
-# Default prefill chunk sizes. CPU: the largest size whose worst stall of a running stream stays
-# within 5x its TPOT in `pdchat bench toggles` (2026-11-22, 2-core EPYC: 32 -> 3.7x, 64 -> 6.0x).
-# GPU: a common serving default, not yet measured here (no GPU was at hand).
-CPU_CHUNK = 32
-GPU_CHUNK = 512
-
-
-def chunk_for(chunk_size: int | None | str, device: torch.device) -> int | None:
-    """The prefill chunk in tokens: "auto" becomes the device's default; None is no chunking."""
-    if chunk_size == "auto":
-        return GPU_CHUNK if device.type == "cuda" else CPU_CHUNK
-    return chunk_size
-
-
 def kv_pool_blocks(cfg: EngineConfig, device: torch.device, bytes_per_token: int, max_model_len: int,
                    available: int | None = None) -> int:
     """Blocks in the KV pool: an exact count, else a byte budget (set, or the device's default)

@@ -7,25 +7,22 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-import torch
-
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .errors import InvalidRequest
 from .precision import WeightPrecision
-from .resources import chunk_for
 from .scheduler import Scheduler
 from .settings import RUNTIME as RUNTIME_SETTINGS
 from .speculative import SpeculativeDecoder
 
 
 class RuntimeSettings:
-    def __init__(self, config: EngineConfig, notices: list[str], device: torch.device, scheduler: Scheduler,
+    def __init__(self, config: EngineConfig, notices: list[str], scheduler: Scheduler,
                  blocks: BlockManager, speculative: SpeculativeDecoder, precision: WeightPrecision):
         self.config = config
         self.notices = notices              # things a UI should tell the user once (take_notices)
         self._notices_taken = 0
-        self.device, self.scheduler, self.blocks = device, scheduler, blocks
+        self.scheduler, self.blocks = scheduler, blocks
         self.speculative, self.precision = speculative, precision
         self._set_quant(config.quant)
         self._set_spec(config.spec)
@@ -43,11 +40,10 @@ class RuntimeSettings:
         unknown = set(changes) - set(RUNTIME_SETTINGS)
         if unknown:
             raise InvalidRequest(f"unknown engine setting(s): {', '.join(sorted(unknown))}")
-        if "chunk_size" in changes:
-            changes["chunk_size"] = chunk_for(changes["chunk_size"], self.device)
         self.config = cfg = replace(self.config, **changes)     # validates
         self.scheduler.kv_cache = cfg.kv_cache
         self.scheduler.chunk_size = cfg.chunk_size
+        self.scheduler.step_budget = cfg.step_budget
         self.scheduler.max_num_seqs = cfg.max_num_seqs
         if "spec_tokens" in changes:
             self.speculative.set_tokens(cfg.spec_tokens)

@@ -1,10 +1,18 @@
-"""Continuous batching with a per-step token budget, chunked prefill and preemption.
+"""Continuous batching with a per-step budget, chunked prefill and preemption.
 
 Each step: running sequences first (decodes before unfinished prefills, so a stream never
 stalls behind a long prompt), then waiting requests FCFS while the budget, the batch size and
-the KV pool allow. The token budget (chunk size) applies while some request is decoding. Everything planned runs in ONE forward (a mixed batch). When the pool runs
-out, the latest-admitted running sequence is preempted by recompute: its blocks are released
-(their cached prefix usually survives) and it goes back to the head of the queue.
+the KV pool allow. Everything planned runs in ONE forward (a mixed batch).
+
+The budget applies while some request is decoding, to keep its stream smooth. By default it is
+time: a step may take `step_budget` decode steps, and prompt slices are sized by the cost model
+(step_cost.py) to fill it: small late in a long prompt, where attention costs more, larger early
+on. A fixed `chunk_size` budgets tokens instead. With no stream to protect a prompt goes in one
+piece (on a CPU every extra step re-reads all the weights).
+
+When the pool runs out, the latest-admitted running sequence is preempted by recompute: its
+blocks are released (their cached prefix usually survives) and it goes back to the head of the
+queue.
 """
 from __future__ import annotations
 
@@ -15,12 +23,20 @@ from dataclasses import dataclass
 
 from .block_manager import BlockManager
 from .sequence import Sequence, Status
+from .step_cost import StepCost, attention_pairs
+
+# A prompt slice is never smaller than this while any budget is left: below it a step runs far
+# below the prefill's efficiency (a CPU re-reads every weight for a handful of rows).
+MIN_SLICE = 16
+# Before a decode step was measured, a time budget cannot be sized: a fixed slice stands in.
+FIRST_SLICE = 32
 
 
 @dataclass
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int          # new tokens computed this step, starting at seq.num_computed_tokens
+    start: int = 0           # seq.num_computed_tokens when planned
 
     @property
     def samples(self) -> bool:
@@ -32,14 +48,14 @@ class ScheduledSeq:
 class StepPlan:
     items: list[ScheduledSeq]
     failed: list[Sequence]   # requests that can never fit the pool (finish with an error)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(i.num_tokens for i in self.items if i.seq.in_prefill)
+    prompt_tokens: int = 0   # prompt tokens computed (prefill), and the query-key pairs they score
+    prompt_pairs: int = 0
+    planned_s: float | None = None   # the step's predicted time, where a time budget sized it
+    predicted_s: float = 0.0         # the cost model's guess of a step with prompt tokens (prefill progress)
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(i.num_tokens for i in self.items if not i.seq.in_prefill)
+        return sum(i.num_tokens for i in self.items) - self.prompt_tokens
 
     @property
     def decode_only(self) -> bool:
@@ -48,11 +64,13 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, *, max_num_seqs: int, chunk_size: int | None,
-                 kv_cache: bool = True):
+    def __init__(self, blocks: BlockManager, cost: StepCost, *, max_num_seqs: int, chunk_size: int | str | None,
+                 step_budget: float, kv_cache: bool = True):
         self.blocks = blocks
+        self.cost = cost                      # learned step times (the engine records each step)
         self.max_num_seqs = max_num_seqs
-        self.chunk_size = chunk_size          # None: each prefill in one piece
+        self.chunk_size = chunk_size          # "auto": time budget; N: N tokens; None: prompts whole
+        self.step_budget = step_budget        # a step's time while others decode, in decode steps
         self.kv_cache = kv_cache              # False: naive mode, recompute everything every step
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -77,13 +95,22 @@ class Scheduler:
         """This step's work: running sequences first (decodes before unfinished prefills, each
         given the blocks it needs, preempting the latest admitted when the pool is full), then
         waiting ones admitted while the batch, the budget and the pool allow."""
-        # The budget exists to keep running streams smooth: with no decode to protect, a prompt
-        # goes in one piece (on CPU every extra step re-reads all the weights).
-        decoding = any(s.t_first_token is not None for s in self.running)
-        step = _PlanBuilder(self.chunk_size if (self.chunk_size and self.kv_cache and decoding) else None)
+        step = self._budget()
         self._schedule_running(step)
         self._admit_waiting(step)
-        return StepPlan(step.items, step.failed)
+        return step.plan()
+
+    def _budget(self) -> "_PlanBuilder":
+        """This step's budget: none unless someone is decoding; else tokens (a fixed chunk) or
+        time (the prefill's share of step_budget decode steps, as the cost model predicts it)."""
+        decoding = any(s.t_first_token is not None for s in self.running)
+        if not (decoding and self.kv_cache and self.chunk_size):
+            return _PlanBuilder(None, None, self.cost)
+        if self.chunk_size != "auto":
+            return _PlanBuilder(self.chunk_size, None, self.cost)
+        if self.cost.decode_s is None:
+            return _PlanBuilder(FIRST_SLICE, None, self.cost)
+        return _PlanBuilder(None, (self.step_budget - 1) * self.cost.decode_s, self.cost)
 
     def _schedule_running(self, step: "_PlanBuilder") -> None:
         for seq in sorted(self.running, key=lambda s: s.num_uncomputed > 1):
@@ -148,33 +175,58 @@ class Scheduler:
 
 
 class _PlanBuilder:
-    """A step's plan while it is being built: the items, the failed, and the token budget left
-    (None: no budget, each prefill in one piece)."""
+    """A step's plan while it is being built: the items, the failed, and what the budget leaves of
+    prompt tokens (`tokens`) or of predicted prefill seconds (`seconds`); neither: no budget, each
+    prompt in one piece. Decodes are not charged to a time budget: it is their step to begin with."""
 
-    def __init__(self, budget: int | None):
-        self.budget = budget
+    def __init__(self, tokens: int | None, seconds: float | None, cost: StepCost):
+        self.tokens, self.seconds, self.cost = tokens, seconds, cost
         self.items: list[ScheduledSeq] = []
         self.failed: list[Sequence] = []
+        self._charged: dict[int, float] = {}       # id(item) -> predicted prefill seconds
         # After a preemption nothing new is admitted this step.
         self.preempted = False
 
     @property
     def spent(self) -> bool:
-        return self.budget is not None and self.budget <= 0
+        left = self.tokens if self.seconds is None else self.seconds
+        return left is not None and left <= 0
 
     def take(self, seq: Sequence) -> int:
-        """How many of seq's uncomputed tokens go in: all, or what the budget leaves (at least one)."""
+        """How many of seq's uncomputed tokens go in: all, or what the budget leaves (at least
+        one; a prompt slice at least MIN_SLICE)."""
         n = seq.num_uncomputed
-        return n if self.budget is None else min(n, max(self.budget, 1))
+        if self.seconds is not None:
+            if n == 1:
+                return 1
+            fits = self.cost.tokens_within(self.seconds, seq.num_computed_tokens)
+            return min(n, max(fits, MIN_SLICE))
+        return n if self.tokens is None else min(n, max(self.tokens, 1))
 
     def add(self, seq: Sequence, n: int) -> None:
-        self.items.append(ScheduledSeq(seq, n))
-        if self.budget is not None:
-            self.budget -= n
+        item = ScheduledSeq(seq, n, seq.num_computed_tokens)
+        self.items.append(item)
+        if self.tokens is not None:
+            self.tokens -= n
+        if self.seconds is not None and seq.in_prefill:
+            self._charged[id(item)] = cost = self.cost.prefill_seconds(item.start, n)
+            self.seconds -= cost
 
     def unplan(self, seq: Sequence) -> None:
-        """A sequence preempted after it was planned leaves the plan and gives its tokens back."""
+        """A sequence preempted after it was planned leaves the plan and gives its budget back."""
         for item in [i for i in self.items if i.seq is seq]:
             self.items.remove(item)
-            if self.budget is not None:
-                self.budget += item.num_tokens
+            if self.tokens is not None:
+                self.tokens += item.num_tokens
+            if self.seconds is not None:
+                self.seconds += self._charged.pop(id(item), 0.0)
+
+    def plan(self) -> StepPlan:
+        prompt = [i for i in self.items if i.seq.in_prefill]
+        predicted = 0.0
+        if prompt:
+            predicted = (self.cost.decode_s or 0.0) + sum(self.cost.prefill_seconds(i.start, i.num_tokens)
+                                                          for i in prompt)
+        return StepPlan(self.items, self.failed, sum(i.num_tokens for i in prompt),
+                        sum(attention_pairs(i.start, i.num_tokens) for i in prompt),
+                        predicted if self.seconds is not None else None, predicted)

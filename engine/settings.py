@@ -192,8 +192,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("chunk_size", ENGINE, int, "auto", nullable=True, low=1, runtime=True, toggle=True,
             words=(("auto", "auto"), ("off", None), ("0", None), ("none", None)), metavar="N",
             group="optimizations", label="prefill chunk",
-            help="prefill tokens per step while others decode, so their streams stay smooth; "
-                 "auto = the device's default, off = whole prompts"),
+            help="prompt tokens per step while others decode, so their streams stay smooth; "
+                 "auto = as many as fit the step budget (from measured step times), off = whole prompts"),
+    Setting("step_budget", ENGINE, float, 3.0, low=1, low_open=True, high=1000, runtime=True, metavar="X",
+            group="optimizations", label="step budget",
+            help="with prefill chunk auto: how long a step that prefills beside running streams may take, "
+                 "in decode steps; higher = newcomers start sooner, streams stall longer"),
     Setting("quant", ENGINE, str, "none", choices=("none", "int8", "int4"), runtime=True, toggle=True,
             group="optimizations", label="quantization",
             help="weight-only int8 or int4 (groups of 64): a quarter or an eighth of fp32's bytes per token"),

@@ -30,6 +30,7 @@ class ProgressEvent:
     layers_done: int = 0
     layers: int = 0
     step_tokens: int = 0
+    step_s: float = 0.0  # the forward's predicted time (step_cost.py): a UI moves the bar between reports
 
 
 @dataclass

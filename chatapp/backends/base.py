@@ -66,6 +66,7 @@ class Phase:
     layers_done: int = 0    # a long prefill forward's way through the layers (engine's ProgressEvent)
     layers: int = 0
     step_tokens: int = 0    # prompt tokens that forward computes
+    step_s: float = 0.0     # that forward's predicted time (0: no prediction)
 
 
 @dataclass

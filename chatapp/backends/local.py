@@ -29,7 +29,7 @@ class LocalGeneration(Generation):
                 yield Token(ev.text, ev.t, ev.index)
             elif isinstance(ev, ProgressEvent):
                 yield Phase(ev.phase, ev.computed, ev.total, ev.cached, ev.t, ev.layers_done, ev.layers,
-                            ev.step_tokens)
+                            ev.step_tokens, ev.step_s)
             elif isinstance(ev, FinishEvent):
                 c = ev.completion
                 yield Done(c.text, c.finish_reason, c.metrics.to_dict(), c.error)

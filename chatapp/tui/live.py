@@ -39,6 +39,7 @@ class LiveReply:
         self.phase = "queued"
         self.computed = self.total = self.cached = 0
         self.layers_done = self.layers = self.step_tokens = 0
+        self.step_s = 0.0
         self.t_submit = self.t_phase = self.t_progress = now()
         self.t_first: float | None = None
         self.t_last: float | None = None
@@ -60,6 +61,7 @@ class LiveReply:
                     self.t_progress = ev.t
                 self.phase, self.computed, self.total, self.cached = ev.phase, ev.computed, ev.total, ev.cached
                 self.layers_done, self.layers, self.step_tokens = ev.layers_done, ev.layers, ev.step_tokens
+                self.step_s = ev.step_s
             elif isinstance(ev, Token):
                 if self.t_first is None:
                     self.t_first = ev.t
@@ -101,19 +103,28 @@ class LiveReply:
                 metrics=self.done.metrics if self.done else None, **self._prefill_pace(now))
 
     def _prefill_pace(self, now: float) -> dict[str, Any]:
-        """Prompt tokens done (a forward under way counted by the share of its layers that ran),
-        the rate so far, and the rest of the prompt at that rate less the time since the last
-        report. The rate is unknown until something was computed."""
-        done = float(self.computed)
+        """Prompt tokens done (a forward under way counted by the share of its layers that ran,
+        and between reports moved on at its predicted pace, never past the next report), the rate
+        so far, and the rest of the prompt at that rate less the time since the last report.
+        The rate is unknown until something was computed; the time left is then the prediction's."""
+        reported = float(self.computed)
         if self.layers:
-            done += self.step_tokens * self.layers_done / self.layers
-        pace: dict[str, Any] = {"prefill_done": done, "layers_done": self.layers_done, "layers": self.layers,
+            reported += self.step_tokens * self.layers_done / self.layers
+        shown = reported
+        if self.phase == "prefill" and self.step_tokens and self.step_s > 0:
+            next_report = (self.layers_done + 1) / self.layers if self.layers else 1.0
+            ahead = min((now - self.t_progress) / self.step_s, next_report - self.layers_done / max(self.layers, 1))
+            shown += self.step_tokens * max(0.0, ahead)
+        pace: dict[str, Any] = {"prefill_done": shown, "layers_done": self.layers_done, "layers": self.layers,
                                 "prefill_tok_s": None, "prefill_left_ms": None}
         spent = self.t_progress - self.t_phase
-        if self.phase == "prefill" and done > self.cached and spent > 0:
-            rate = (done - self.cached) / spent
-            left = (self.total - done) / rate - (now - self.t_progress)
+        if self.phase == "prefill" and reported > self.cached and spent > 0:
+            rate = (reported - self.cached) / spent
+            left = (self.total - reported) / rate - (now - self.t_progress)
             pace.update(prefill_tok_s=rate, prefill_left_ms=max(0.0, left * 1000))
+        elif self.phase == "prefill" and self.step_tokens and self.step_s > 0:
+            left = (self.total - shown) * self.step_s / self.step_tokens
+            pace.update(prefill_left_ms=max(0.0, left * 1000))
         return pace
 
     def taken_text(self) -> str:

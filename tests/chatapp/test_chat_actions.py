@@ -441,6 +441,14 @@ def test_the_panel_never_shows_more_tokens_per_verify_than_a_verify_can_give():
     assert "per verify   4.60 tok" in text and "tok/step" not in text
 
 
+def test_the_batch_section_shows_the_last_sliced_step_planned_and_measured():
+    from pdchat.chatapp.tui.widgets.panel_sections import batch_text
+    stats = {"running": 2, "waiting": 0, "step_ms": 28.0}
+    assert "sliced step" not in batch_text(stats).plain           # no prompt was sliced yet
+    text = batch_text(stats | {"sliced_step_ms": 91.0, "sliced_step_planned_ms": 84.0}).plain
+    assert text.splitlines()[-1] == f"{'sliced step':<13}91 ms (planned 84 ms)"
+
+
 @pytest.mark.parametrize("reason, mark", [("stop", "✓"), ("length", "✓"), ("cancelled", "■"), ("error", "✗")])
 def test_the_last_reply_is_marked_by_how_it_ended(reason, mark):
     from pdchat.chatapp.tui.widgets.panel_sections import phase_text

@@ -13,7 +13,7 @@ import threading
 from typing import Any, Iterator
 
 from pdchat.engine.output_processor import LAYER_PROGRESS_TOKENS
-from pdchat.engine.resources import CPU_CHUNK
+from pdchat.engine.scheduler import FIRST_SLICE
 from pdchat.chatapp.backends.base import CAPABILITIES, Backend, Done, Generation, Phase, Settings, Token
 
 GB = 1024 ** 3
@@ -67,7 +67,6 @@ class FakeGeneration(Generation):
         self._hold("queued")
         clock.advance(0.002)
         t_sched = clock.t
-        yield Phase("prefill", cached, total, cached, clock.t)
         yield from self._prefill(b, clock, cached, total, cached)
         if self.cancelled.is_set():
             yield self._done("", "cancelled", t_submit, t_sched, None, [], total, cached)
@@ -101,18 +100,23 @@ class FakeGeneration(Generation):
         chunk = b.toggles["chunk_size"]
         if not chunk or not b.toggles["kv_cache"] or not b.toggles["neighbours"]:
             return total
-        return CPU_CHUNK if chunk == "auto" else chunk
+        return FIRST_SLICE if chunk == "auto" else chunk
 
     def _prefill(self, b: "FakeBackend", clock, computed: int, total: int, cached: int) -> Iterator:
         """Steps of the prefill, with the engine's events: a count after each chunk but the last,
         and a long forward's way through its layers."""
         chunk = self._chunk(b, total)
+        first = True
         while computed < total and not self.cancelled.is_set():
             step = min(chunk, total - computed)
             layers = FAKE_LAYERS if step >= LAYER_PROGRESS_TOKENS else 0
+            step_s = step * b.prefill_ms_per_token / 1000 * b.prediction_error      # the engine's guess
+            if first:       # as the engine: the prefill's first step is announced with its prediction
+                yield Phase("prefill", computed, total, cached, clock.t, 0, layers, step, step_s)
+                first = False
             for done in range(1, layers + 1):
                 clock.advance(step * b.prefill_ms_per_token / 1000 / layers)
-                yield Phase("prefill", computed, total, cached, clock.t, done, layers, step)
+                yield Phase("prefill", computed, total, cached, clock.t, done, layers, step, step_s)
                 if done * 2 == layers and computed + step >= total:
                     self._hold("prefill")
             if not layers:
@@ -167,6 +171,7 @@ class FakeBackend(Backend):
         self.held = threading.Event()          # set when a stream reaches the hold point
         self.tpot_ms = tpot_ms
         self.prefill_ms_per_token = prefill_ms_per_token
+        self.prediction_error = 1.0            # predicted / actual time of a prefill forward
         self.load_error = load_error
         self.clock = FakeClock()
         self.toggles: dict[str, Any] = {"kv_cache": True, "prefix_cache": True, "chunk_size": 256,

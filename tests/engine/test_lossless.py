@@ -29,6 +29,8 @@ SETTINGS = {
     "chunk 16": dict(prefix_cache=False, chunk_size=16),
     "chunk 64 + prefix": dict(prefix_cache=True, chunk_size=64),
     "chunk 256": dict(prefix_cache=False, chunk_size=256),
+    "time budget 1.5": dict(prefix_cache=False, chunk_size="auto", step_budget=1.5),
+    "time budget 8 + prefix": dict(prefix_cache=True, chunk_size="auto", step_budget=8),
     "naive (no KV cache)": dict(kv_cache=False, prefix_cache=False),
 }
 
@@ -61,6 +63,9 @@ def test_toggles_are_lossless(preset):
             assert again == want, name
             if setting.get("chunk_size") == 16:
                 assert steps >= 200 // 16, "the long prompt should have been prefilled in chunks"
+            if setting.get("chunk_size") == "auto":
+                stats = engine.stats()
+                assert stats.sliced_step_planned_ms is not None and stats.sliced_step_ms is not None, name
             if setting.get("prefix_cache"):
                 assert engine.stats().prefix_hit_rate > 0.3, name
 

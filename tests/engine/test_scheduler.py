@@ -3,8 +3,14 @@ from __future__ import annotations
 
 from pdchat.engine.block_manager import BlockManager
 from pdchat.engine.config import SamplingParams
-from pdchat.engine.scheduler import Scheduler
+from pdchat.engine.scheduler import FIRST_SLICE, MIN_SLICE, Scheduler
 from pdchat.engine.sequence import Sequence, Status
+from pdchat.engine.step_cost import StepCost, attention_pairs
+
+
+def make_scheduler(blocks: BlockManager, cost: StepCost | None = None, *, step_budget: float = 3.0,
+                   **kw) -> Scheduler:
+    return Scheduler(blocks, cost or StepCost(pair_ratio=1e-3), step_budget=step_budget, **kw)
 
 
 def seq(rid: str, n: int, start: int = 1) -> Sequence:
@@ -29,7 +35,7 @@ def test_a_victim_planned_earlier_in_the_step_is_taken_out_of_the_plan():
     # the pool empty. The state is built by hand: the plan must stay sound whatever order the
     # admission rules leave the running requests in.
     blocks = BlockManager(num_blocks=4, block_size=4, prefix_cache=False)
-    sched = Scheduler(blocks, max_num_seqs=8, chunk_size=8)
+    sched = make_scheduler(blocks, max_num_seqs=8, chunk_size=8)
     older = seq("older", 16)                  # prefilling: 8 of 16 prompt tokens computed
     newer = seq("newer", 4, 100)              # decoding: 4 prompt tokens + 1 sampled
     newer.token_ids.append(7)
@@ -50,7 +56,7 @@ def test_a_refused_admission_keeps_no_blocks():
     # The head of the queue matches cached prefix blocks, then cannot get the rest: it must give
     # the matched blocks back, or the running request that needs them can never finish.
     blocks = BlockManager(num_blocks=4, block_size=4, prefix_cache=True)
-    sched = Scheduler(blocks, max_num_seqs=8, chunk_size=None)
+    sched = make_scheduler(blocks, max_num_seqs=8, chunk_size=None)
     first = seq("first", 9)
     sched.add(first)
     run(sched.schedule())
@@ -70,7 +76,7 @@ def test_a_refused_admission_keeps_no_blocks():
 
 def test_preemption_resets_the_victim_and_counts_every_time():
     blocks = BlockManager(num_blocks=8, block_size=4, prefix_cache=False)
-    sched = Scheduler(blocks, max_num_seqs=8, chunk_size=None)
+    sched = make_scheduler(blocks, max_num_seqs=8, chunk_size=None)
     victim = seq("victim", 6)
     sched.add(victim)
     run(sched.schedule())
@@ -106,7 +112,7 @@ def planned(plan) -> list[tuple[str, int]]:
 
 
 def test_decodes_take_the_budget_first_and_prefills_get_what_is_left():
-    sched = Scheduler(BlockManager(32, 4, prefix_cache=False), max_num_seqs=8, chunk_size=2)
+    sched = make_scheduler(BlockManager(32, 4, prefix_cache=False), max_num_seqs=8, chunk_size=2)
     prefill, decode = seq("p", 6), decoding("d", 4, 100)
     place(sched, prefill, 4, 0, 4)                  # 2 prompt tokens to go, listed first
     place(sched, decode, 4, 1, 5)
@@ -115,7 +121,7 @@ def test_decodes_take_the_budget_first_and_prefills_get_what_is_left():
 
 
 def test_a_spent_budget_never_starves_a_decode_and_holds_back_prefills():
-    sched = Scheduler(BlockManager(32, 4, prefix_cache=False), max_num_seqs=8, chunk_size=2)
+    sched = make_scheduler(BlockManager(32, 4, prefix_cache=False), max_num_seqs=8, chunk_size=2)
     for i in range(3):
         place(sched, decoding(f"d{i}", 4, 100 * (i + 1)), 4, i, 5)
     place(sched, seq("p", 6), 4, 3, 4)              # 2 prompt tokens left: still a prefill
@@ -124,7 +130,7 @@ def test_a_spent_budget_never_starves_a_decode_and_holds_back_prefills():
 
 
 def test_a_victim_preempted_mid_loop_is_skipped_and_the_rest_still_planned():
-    sched = Scheduler(BlockManager(4, 4, prefix_cache=False), max_num_seqs=8, chunk_size=None)
+    sched = make_scheduler(BlockManager(4, 4, prefix_cache=False), max_num_seqs=8, chunk_size=None)
     a, victim, prefill = decoding("a", 4), decoding("v", 4, 100), seq("p", 8, 200)
     place(sched, a, 4, 0, 4)                        # its next token needs a second block
     place(sched, victim, 4, 2, 5)                   # the latest admitted: two blocks
@@ -136,7 +142,7 @@ def test_a_victim_preempted_mid_loop_is_skipped_and_the_rest_still_planned():
 
 
 def test_without_the_kv_cache_every_step_recomputes_the_whole_sequence():
-    sched = Scheduler(BlockManager(32, 4, prefix_cache=False), max_num_seqs=8, chunk_size=None, kv_cache=False)
+    sched = make_scheduler(BlockManager(32, 4, prefix_cache=False), max_num_seqs=8, chunk_size=None, kv_cache=False)
     s = decoding("d", 6)
     place(sched, s, 6, 0, 7)
     plan = sched.schedule()
@@ -145,7 +151,7 @@ def test_without_the_kv_cache_every_step_recomputes_the_whole_sequence():
 
 def test_a_lone_request_outgrowing_the_pool_fails_at_once_without_a_preemption():
     blocks = BlockManager(2, 4, prefix_cache=False)
-    sched = Scheduler(blocks, max_num_seqs=8, chunk_size=None)
+    sched = make_scheduler(blocks, max_num_seqs=8, chunk_size=None)
     s = decoding("big", 8)
     place(sched, s, 8, 0, 8)                        # both blocks full; the next token needs a third
     plan = sched.schedule()
@@ -154,7 +160,7 @@ def test_a_lone_request_outgrowing_the_pool_fails_at_once_without_a_preemption()
 
 
 def test_an_unplanned_victim_gives_its_tokens_back_to_the_budget():
-    sched = Scheduler(BlockManager(4, 4, prefix_cache=False), max_num_seqs=8, chunk_size=4)
+    sched = make_scheduler(BlockManager(4, 4, prefix_cache=False), max_num_seqs=8, chunk_size=4)
     victim, d, prefill = decoding("v", 4, 100), decoding("d", 4), seq("p", 12, 200)
     place(sched, victim, 4, 3, 5)                   # planned first, then preempted for d
     place(sched, d, 4, 1, 4)                        # needs a second block; none is free
@@ -165,7 +171,7 @@ def test_an_unplanned_victim_gives_its_tokens_back_to_the_budget():
 
 
 def test_an_unplanned_victim_without_a_budget_leaves_a_sound_plan():
-    sched = Scheduler(BlockManager(4, 4, prefix_cache=False), max_num_seqs=8, chunk_size=None)
+    sched = make_scheduler(BlockManager(4, 4, prefix_cache=False), max_num_seqs=8, chunk_size=None)
     victim, d = decoding("v", 4, 100), decoding("d", 4)
     place(sched, victim, 4, 3, 5)
     place(sched, d, 4, 1, 4)
@@ -176,7 +182,7 @@ def test_an_unplanned_victim_without_a_budget_leaves_a_sound_plan():
 
 # ---- admission -------------------------------------------------------------------------------------
 def test_admission_stops_at_the_batch_limit():
-    sched = Scheduler(BlockManager(32, 4, prefix_cache=False), max_num_seqs=2, chunk_size=None)
+    sched = make_scheduler(BlockManager(32, 4, prefix_cache=False), max_num_seqs=2, chunk_size=None)
     for i in range(3):
         sched.add(seq(f"s{i}", 5, 10 * i + 1))
     plan = sched.schedule()
@@ -185,7 +191,7 @@ def test_admission_stops_at_the_batch_limit():
 
 def test_admission_records_the_cached_prefix_and_the_first_scheduling_time_once():
     blocks = BlockManager(8, 4, prefix_cache=True)
-    sched = Scheduler(blocks, max_num_seqs=8, chunk_size=None)
+    sched = make_scheduler(blocks, max_num_seqs=8, chunk_size=None)
     first = seq("first", 9)
     sched.add(first)
     run(sched.schedule())
@@ -207,12 +213,12 @@ def test_admission_records_the_cached_prefix_and_the_first_scheduling_time_once(
 def test_naive_mode_admits_a_prompt_whole_despite_cached_blocks():
     blocks = BlockManager(8, 4, prefix_cache=True)
     first = seq("first", 9)
-    warm = Scheduler(blocks, max_num_seqs=8, chunk_size=None)
+    warm = make_scheduler(blocks, max_num_seqs=8, chunk_size=None)
     warm.add(first)
     run(warm.schedule())
     blocks.commit(first, first.num_computed_tokens)
     warm.remove(first)
-    naive = Scheduler(blocks, max_num_seqs=8, chunk_size=None, kv_cache=False)
+    naive = make_scheduler(blocks, max_num_seqs=8, chunk_size=None, kv_cache=False)
     again = seq("again", 12)
     naive.add(again)
     assert planned(naive.schedule()) == [("again", 12)] and again.num_cached_prompt_tokens == 0
@@ -220,7 +226,7 @@ def test_naive_mode_admits_a_prompt_whole_despite_cached_blocks():
 
 def test_a_waiting_request_too_big_for_the_empty_pool_fails_and_the_next_is_admitted():
     blocks = BlockManager(2, 4, prefix_cache=False)
-    sched = Scheduler(blocks, max_num_seqs=8, chunk_size=None)
+    sched = make_scheduler(blocks, max_num_seqs=8, chunk_size=None)
     big = decoding("big", 8)                                   # 9 tokens after a preemption: 3 blocks
     small = seq("small", 3, 100)
     sched.add(big)
@@ -232,7 +238,7 @@ def test_a_waiting_request_too_big_for_the_empty_pool_fails_and_the_next_is_admi
 
 def test_a_request_that_fits_only_alone_waits_for_the_others():
     blocks = BlockManager(3, 4, prefix_cache=False)
-    sched = Scheduler(blocks, max_num_seqs=8, chunk_size=None)
+    sched = make_scheduler(blocks, max_num_seqs=8, chunk_size=None)
     first, second = seq("first", 8), seq("second", 8, 100)     # two blocks each, three in the pool
     sched.add(first)
     sched.add(second)
@@ -241,7 +247,7 @@ def test_a_request_that_fits_only_alone_waits_for_the_others():
 
 
 def test_a_request_preempting_itself_still_lets_the_older_ones_run():
-    sched = Scheduler(BlockManager(3, 4, prefix_cache=False), max_num_seqs=8, chunk_size=None)
+    sched = make_scheduler(BlockManager(3, 4, prefix_cache=False), max_num_seqs=8, chunk_size=None)
     older, newest = seq("older", 8), decoding("newest", 8, 100)
     place(sched, older, 4, 0, 4)                    # a prefill, 4 of 8 computed: one block
     place(sched, newest, 8, 1, 8)                   # a decode on two full blocks: its next token needs a third
@@ -250,7 +256,7 @@ def test_a_request_preempting_itself_still_lets_the_older_ones_run():
 
 
 def test_nothing_is_admitted_in_a_step_that_preempted():
-    sched = Scheduler(BlockManager(4, 4, prefix_cache=False), max_num_seqs=8, chunk_size=None)
+    sched = make_scheduler(BlockManager(4, 4, prefix_cache=False), max_num_seqs=8, chunk_size=None)
     a, victim = decoding("a", 4), decoding("v", 4, 100)
     place(sched, a, 4, 0, 4)                        # its next token needs a second block
     place(sched, victim, 4, 1, 12)                  # three blocks: the pool is full
@@ -259,3 +265,92 @@ def test_nothing_is_admitted_in_a_step_that_preempted():
     sched.add(waiting)
     plan = sched.schedule()
     assert planned(plan) == [("a", 1)] and list(sched.waiting) == [victim, waiting]
+
+
+def _decoding(sched: Scheduler, rid: str = "stream") -> Sequence:
+    """A running stream past its prompt: the next steps decode it."""
+    s = seq(rid, 4)
+    sched.add(s)
+    run(sched.schedule())
+    assert s.t_first_token is not None
+    return s
+
+
+def _learned(per_token: float, per_pair: float, decode: float, fixed: float = 0.0) -> StepCost:
+    """A cost model that has seen steps of a machine whose costs are exactly these."""
+    cost = StepCost(pair_ratio=per_pair / per_token)
+    for _ in range(5):
+        cost.record_decode(decode)
+    for start, n in ((0, 64), (500, 32), (1500, 48), (100, 200), (800, 16), (300, 100)):
+        pairs = attention_pairs(start, n)
+        cost.record_prefill(n, pairs, decode + fixed + per_token * n + per_pair * pairs)
+    return cost
+
+
+def test_a_time_budget_sizes_each_slice_to_fill_the_step_and_late_slices_are_smaller():
+    per_token, per_pair, decode = 1e-3, 3e-7, 0.025      # a slice late in the prompt: ~1/2 the first
+    cost = _learned(per_token, per_pair, decode)
+    sched = make_scheduler(BlockManager(512, 16, prefix_cache=False), cost, step_budget=3.0, max_num_seqs=8,
+                           chunk_size="auto")
+    stream = _decoding(sched)
+    newcomer = seq("new", 3000, start=100)
+    sched.add(newcomer)
+    sizes, planned = [], []
+    while newcomer.num_computed_tokens < newcomer.num_prompt_tokens:
+        plan = sched.schedule()
+        item = next(i for i in plan.items if i.seq is newcomer)
+        assert [i.seq for i in plan.items][0] is stream and plan.items[0].num_tokens == 1   # the stream decodes
+        sizes.append(item.num_tokens)
+        planned.append(plan.planned_s)
+        run(plan)
+    # Every full slice is about the largest whose cost fits two decode steps (a 3x budget); the
+    # fit is pulled a little towards its prior, hence the 2%.
+    for n, start, p in zip(sizes[:-1], [sum(sizes[:i]) for i in range(len(sizes))], planned):
+        work = per_token * n + per_pair * attention_pairs(start, n)
+        more = per_token * (n + 2) + per_pair * attention_pairs(start, n + 2)
+        assert work <= 2 * decode * 1.02 and more > 2 * decode * 0.98
+        assert abs(p - (decode + work)) < 0.02 * p
+    assert min(sizes[:-1]) > MIN_SLICE
+    assert sizes[0] > 1.8 * sizes[-2]        # attention over the longer context shrinks the slices
+    assert sum(sizes) == 3000
+
+
+def test_a_larger_budget_takes_larger_slices():
+    cost = _learned(1e-3, 1e-6, 0.025)
+    firsts = []
+    for budget in (2.0, 3.0, 6.0):
+        sched = make_scheduler(BlockManager(512, 16, prefix_cache=False), cost, step_budget=budget,
+                               max_num_seqs=8, chunk_size="auto")
+        _decoding(sched)
+        sched.add(seq("new", 2000, start=100))
+        firsts.append(next(i.num_tokens for i in sched.schedule().items if i.seq.request_id == "new"))
+    assert firsts[0] < firsts[1] < firsts[2]
+
+
+def test_a_slice_is_never_below_the_minimum_even_when_the_budget_is_tight():
+    cost = _learned(1e-3, 1e-6, 0.001)           # a decode step worth one token: the budget fits ~2
+    sched = make_scheduler(BlockManager(512, 16, prefix_cache=False), cost, step_budget=3.0, max_num_seqs=8,
+                           chunk_size="auto")
+    _decoding(sched)
+    sched.add(seq("new", 500, start=100))
+    assert next(i.num_tokens for i in sched.schedule().items if i.seq.request_id == "new") == MIN_SLICE
+
+
+def test_before_a_decode_step_is_measured_a_fixed_first_slice_stands_in():
+    sched = make_scheduler(BlockManager(512, 16, prefix_cache=False), StepCost(1e-3), max_num_seqs=8,
+                           chunk_size="auto")
+    _decoding(sched)
+    sched.add(seq("new", 500, start=100))
+    plan = sched.schedule()
+    # (a token budget counts the step's every token: the stream's decode takes one)
+    assert next(i.num_tokens for i in plan.items if i.seq.request_id == "new") == FIRST_SLICE - 1
+    assert plan.planned_s is None
+
+
+def test_with_no_stream_to_protect_a_prompt_goes_whole_under_a_time_budget():
+    sched = make_scheduler(BlockManager(512, 16, prefix_cache=False), _learned(1e-3, 1e-6, 0.025),
+                           max_num_seqs=8, chunk_size="auto")
+    sched.add(seq("alone", 3000))
+    plan = sched.schedule()
+    assert [i.num_tokens for i in plan.items] == [3000] and plan.planned_s is None
+    assert plan.prompt_tokens == 3000 and plan.prompt_pairs == attention_pairs(0, 3000)

@@ -50,7 +50,9 @@ def phase_text(live: LiveSnapshot | None, last: dict | None, c: dict, w: int) ->
         t.append("█" * cached, style=c["cached"])
         t.append("█" * done, style=c["prefill"])
         t.append("░" * (w - cached - done) + "\n", style="dim")
-        if live.prefill_tok_s is None:
+        if live.prefill_tok_s is None and live.prefill_left_ms is not None:
+            t.append(f"~{fmt.seconds(live.prefill_left_ms)} left (predicted)", style=c["prefill"])
+        elif live.prefill_tok_s is None:
             t.append("measuring the prefill rate…", style="dim")
         else:
             t.append(f"{fmt.rate(live.prefill_tok_s)} · ~{fmt.seconds(live.prefill_left_ms)} left", style=c["prefill"])
@@ -148,6 +150,10 @@ def batch_text(s: dict) -> Text:
     row(t, "waiting", fmt.count(s.get("waiting")))
     t.append(f"{'step':<13}", style="dim")
     t.append(fmt.ms(s.get("step_ms")))
+    if s.get("sliced_step_ms") is not None:
+        # the last prompt slice beside running streams: what the step budget planned, what it took
+        t.append(f"\n{'sliced step':<13}", style="dim")
+        t.append(f"{fmt.ms(s['sliced_step_ms'])} (planned {fmt.ms(s.get('sliced_step_planned_ms'))})")
     return t
 
 def spec_text(last: dict | None, caps: dict, toggles: dict) -> Text:

@@ -1,0 +1,54 @@
+"""The step cost model: what it learns from measured steps and what it predicts."""
+from __future__ import annotations
+
+import pytest
+
+from pdchat.engine.model_config import ModelConfig
+from pdchat.engine.step_cost import StepCost, attention_pairs, pair_flops_ratio
+
+
+def test_attention_pairs_count_each_token_seeing_itself_and_everything_before():
+    assert attention_pairs(0, 1) == 1
+    assert attention_pairs(0, 4) == 1 + 2 + 3 + 4
+    assert attention_pairs(10, 2) == 11 + 12
+
+
+@pytest.mark.parametrize("fixed", [0.0, 0.03])
+def test_the_fit_recovers_a_machines_costs_from_its_steps(fixed):
+    per_token, per_pair, decode = 1.2e-3, 4e-7, 0.025
+    cost = StepCost(pair_ratio=1e-3)            # a prior ratio off by 3x: the data must win
+    for _ in range(3):
+        cost.record_decode(decode)
+    for start, n in ((0, 40), (40, 17), (57, 33), (90, 64), (154, 16), (170, 90), (260, 25), (285, 48)):
+        pairs = attention_pairs(start, n)
+        cost.record_prefill(n, pairs, decode + fixed + per_token * n + per_pair * pairs)
+    got_fixed, got_token, got_pair = cost.coefficients()
+    assert got_fixed == pytest.approx(fixed, abs=1e-3)
+    assert got_token == pytest.approx(per_token, rel=0.05)
+    assert got_pair == pytest.approx(per_pair, rel=0.1)
+    n = cost.tokens_within(2 * decode, 1000)
+    assert cost.prefill_seconds(1000, n) <= 2 * decode < cost.prefill_seconds(1000, n + 1)
+
+
+def test_recent_steps_outweigh_old_ones_when_the_machine_slows_down():
+    cost = StepCost(pair_ratio=1e-4)
+    cost.record_decode(0.02)
+    for speed in (1.0, 3.0):
+        for start, n in ((0, 32), (32, 64), (96, 16), (112, 48)) * 4:
+            cost.record_prefill(n, attention_pairs(start, n), 0.02 + speed * 1e-3 * n)
+    assert cost.coefficients()[1] == pytest.approx(3e-3, rel=0.1)
+
+
+def test_before_any_prefill_a_slice_of_sixteen_tokens_costs_about_a_decode_step():
+    cost = StepCost(pair_ratio=0.0)
+    cost.record_decode(0.032)
+    assert cost.prefill_seconds(0, 16) == pytest.approx(0.032)
+    assert cost.tokens_within(0.032, 0) == 16
+
+
+def test_the_prior_pair_cost_is_the_models_flop_ratio():
+    cfg = ModelConfig(model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4,
+                      max_position=128, tie_embeddings=True)
+    linear = 64 * (4 + 2 * 2) * 16 + 4 * 16 * 64 + 3 * 64 * 128     # q, k, v, o, gate, up, down
+    assert pair_flops_ratio(cfg) == pytest.approx(2 * 4 * 16 / linear)
