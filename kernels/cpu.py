@@ -151,7 +151,7 @@ def build(cache_dir: Path, int8: str | None = None) -> Path:
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "pd_int8_path": ([], _I),
-    "pd_linear_f32": ([_P, _P, _P, _P, _I, _I, _I, _I], None),
+    "pd_linear_f32": ([_P, _P, _P, _P, _I, _I, _I, _I], _I),
     "pd_linear_u8": ([_P, _P, _P, _P, _P, _I, _I, _I, _I], _I),
     "pd_linear_q4": ([_P, _P, _P, _P, _P, _I, _I, _I, _I], _I),
     "pd_unpack_q4": ([_P, _P, _P, _I, _I, _I], None),
@@ -282,8 +282,9 @@ class CpuKernels:
         if x.shape[0] > LINEAR_MAX_ROWS or not self._ok(x, weight, bias) or not x.is_contiguous():
             return reference.linear(x, weight, bias)
         y = x.new_empty(x.shape[0], weight.shape[0])
-        self.lib.pd_linear_f32(x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
-                               y.data_ptr(), x.shape[0], weight.shape[0], x.shape[1], torch.get_num_threads())
+        if self.lib.pd_linear_f32(x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
+                                  y.data_ptr(), x.shape[0], weight.shape[0], x.shape[1], torch.get_num_threads()):
+            raise MemoryError("CPU linear: out of memory for the transposed activations")
         return y
 
     def pack_int8(self, q: torch.Tensor, scales: torch.Tensor,
