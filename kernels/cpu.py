@@ -421,18 +421,19 @@ class CpuKernels:
         LINEAR_MAX_ROWS tokens, attention in C for every sequence (decodes, verifies).
 
         A forward starts here, so this also sets how the C pool waits between jobs until the next:
-        spinning while C products follow one another, asleep at once where BLAS's OpenMP threads
-        take the products (above LINEAR_MAX_ROWS): a spinning worker would take a core from them."""
-        T = x.shape[0]
-        self.lib.pd_pool_spin(T <= LINEAR_MAX_ROWS)
-        if plan is None or T > LINEAR_MAX_ROWS or plan.head_dim > 512:
-            return False
+        spinning while this one call's kernels follow one another, asleep at once in an op-by-op
+        forward, where OpenMP's threads (BLAS, SDPA) take turns with the pool: a spinning worker
+        would take a core from them."""
         k_cache, v_cache = batch.k_cache, batch.v_cache
-        if not (self._ok(x, h, cos, sin, k_cache, v_cache)
+        in_c = (plan is not None and x.shape[0] <= LINEAR_MAX_ROWS and plan.head_dim <= 512
+                and self._ok(x, h, cos, sin, k_cache, v_cache)
                 and all(t.is_contiguous() for t in (x, h, cos, sin, k_cache, v_cache))
                 and batch.slot_mapping.dtype == torch.int64
-                and all(map(attention_in_c, batch.query_lens_host, batch.context_lens_host))):
+                and all(map(attention_in_c, batch.query_lens_host, batch.context_lens_host)))
+        self.lib.pd_pool_spin(in_c)
+        if not in_c:
             return False
+        T = x.shape[0]
         tables = batch.block_tables.to(torch.int32).contiguous()
         cu_q = batch.query_start_loc.to(torch.int32).contiguous()
         ctx = batch.context_lens.to(torch.int32).contiguous()

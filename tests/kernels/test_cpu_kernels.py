@@ -352,30 +352,6 @@ def test_pool_workers_sleep_when_idle(ops):
         time.sleep(0.01)
 
 
-def test_a_forward_of_blas_products_lets_the_pool_sleep_at_once(ops):
-    # Above LINEAR_MAX_ROWS the products are BLAS's, on OpenMP threads: a C worker spinning
-    # between the elementwise kernels would take a core from them.
-    told = []
-    lib = ops.lib
-
-    class Spy:
-        def __getattr__(self, name):
-            return getattr(lib, name)
-
-        def pd_pool_spin(self, on):
-            told.append(bool(on))
-            lib.pd_pool_spin(on)
-
-    ops.lib = Spy()
-    try:
-        for rows in (cpu.LINEAR_MAX_ROWS + 1, cpu.LINEAR_MAX_ROWS, 1):
-            x = torch.zeros(rows, 8)
-            assert ops.run_layers(None, x, x, x, x, None) is False     # (no plan: the op-by-op forward)
-    finally:
-        ops.lib = lib
-    assert told == [False, True, True]
-
-
 def test_a_forked_child_computes_without_the_parents_workers(ops):
     import os
     import time

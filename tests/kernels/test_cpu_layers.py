@@ -89,3 +89,25 @@ def test_plans_follow_the_quant_mode_and_new_weights(engine):
     assert int4_plan.dims[6] == 2                      # pd_layers reads them as int4
     engine.update(quant="none")
     assert model._layer_plan() is not fp_plan          # read again: new tensors, a new plan
+
+
+def test_the_pool_spins_only_through_a_one_call_forward(engine, monkeypatch):
+    # Between the op-by-op forward's kernels OpenMP's threads (BLAS, SDPA) run: a C worker
+    # spinning for the next job would take a core from them.
+    kernels = engine.runner.model.ops.run_layers.__self__        # the CpuKernels behind the ops
+    told, lib = [], kernels.lib
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(lib, name)
+
+        def pd_pool_spin(self, on):
+            told.append(bool(on))
+            lib.pd_pool_spin(on)
+
+    monkeypatch.setattr(kernels, "lib", Spy())
+    calls = spy_on_layers(engine, monkeypatch)
+    runner = engine.runner
+    runner.forward([Work([3, 4, 5], 0, [1])], [[2]])                          # one C call
+    runner.forward([Work(list(range(50)), 0, [1, 2, 3, 4, 5, 6, 7])], [[49]])   # op by op (50 rows)
+    assert calls == [True, False] and told == [True, False]
