@@ -2,17 +2,21 @@
 
 A step is modeled as the decode step it carries plus its prefill work:
 
-    seconds = decode + fixed + per_token * tokens + per_pair * pairs
+    seconds = decode + per_token * tokens + per_pair * pairs
 
 `decode` is the measured time of a decode-only step (an exponentially weighted average over the
-recent ones: the running streams' TPOT, which the step budget is a multiple of). `fixed` is what
-any prefill adds to a step whatever its size (on a CPU, a decode step runs as one C call; a
-step with a prompt slice goes layer by layer). `tokens` are the prompt tokens the step computes
-and `pairs` the query-key pairs their attention scores: a token at position p sees p + 1 keys, so
-a slice late in a long prompt costs more than an early one. The three are fitted online (least
-squares, recent steps weighted more) from every step that prefilled, each pulled slightly
-towards a prior: no fixed cost, a 16-token slice costing about a decode step, and a pair costing
-what the model's FLOPs say relative to a token.
+recent ones: the running streams' TPOT, which the step budget is a multiple of). `tokens` are the
+prompt tokens the step computes and `pairs` the query-key pairs their attention scores: a token at
+position p sees p + 1 keys, so a slice late in a long prompt costs more than an early one. Both
+coefficients are fitted online (least squares, recent steps weighted more) from every step that
+prefilled, each pulled slightly towards a prior: a 16-token slice costing about a decode step, and
+a pair costing what the model's FLOPs say relative to a token.
+
+There is no separate fixed cost of a step with a prompt slice: the slices the budget picks are
+mostly alike, so a fixed part and a per-token part cannot be told apart from them, and a wrong
+split made the slices ever smaller (measured: a fitted 40 ms fixed part where a direct timing
+showed under 10). A real fixed part shows up as a per-token cost a little too high for small
+slices: predictions err towards shorter steps.
 """
 from __future__ import annotations
 
@@ -22,8 +26,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .model_config import ModelConfig
 
-DECAY = 0.8              # weight of an observation after each newer one (the fit follows the machine)
-PRIOR_WEIGHT = 0.002     # of the prior against one observation: it only matters before there are some
+DECAY = 0.9              # weight of an observation after each newer one (the fit follows the machine)
+PRIOR_WEIGHT = 1e-4       # of the prior against one observation: it only matters before there are some
 PRIOR_SLICE = 16         # tokens whose prefill costs about one decode step, before anything is measured
 PRIOR_TOKEN_SECONDS = 1e-3   # per prompt token, before even a decode step was measured
 
@@ -46,10 +50,10 @@ class StepCost:
     def __init__(self, pair_ratio: float):
         self.pair_ratio = pair_ratio
         self.decode_s: float | None = None          # a decode-only step, recent average
-        # Weighted sums of the least-squares fit over features (1, tokens, pairs in token units).
-        self._xx = [[0.0] * 3 for _ in range(3)]
-        self._xy = [0.0] * 3
-        self._fit: tuple[float, float, float] | None = None
+        # Weighted sums of the least-squares fit over features (tokens, pairs in token units).
+        self._xx = [[0.0, 0.0], [0.0, 0.0]]
+        self._xy = [0.0, 0.0]
+        self._fit: tuple[float, float] | None = None
 
     # ---- learning ----------------------------------------------------------------------------
     def record_decode(self, seconds: float) -> None:
@@ -60,55 +64,52 @@ class StepCost:
         """A step computed `tokens` prompt tokens scoring `pairs` query-key pairs in `seconds`."""
         if tokens <= 0:
             return
-        x = (1.0, float(tokens), pairs * self.pair_ratio)
+        x = (float(tokens), pairs * self.pair_ratio)
         work = max(seconds - (self.decode_s or 0.0), 0.0)
-        for i in range(3):
+        for i in range(2):
             self._xy[i] = DECAY * self._xy[i] + x[i] * work
-            for j in range(3):
+            for j in range(2):
                 self._xx[i][j] = DECAY * self._xx[i][j] + x[i] * x[j]
         self._fit = None
 
     # ---- predicting --------------------------------------------------------------------------
-    def coefficients(self) -> tuple[float, float, float]:
-        """(fixed seconds of a step with a prompt slice, seconds per prompt token, per pair)."""
+    def coefficients(self) -> tuple[float, float]:
+        """(seconds per prompt token, seconds per query-key pair)."""
         if self._fit is None:
             self._fit = self._solve()
-        fixed, per_token, per_unit = self._fit
-        return fixed, per_token, per_unit * self.pair_ratio
+        per_token, per_unit = self._fit
+        return per_token, per_unit * self.pair_ratio
 
     def prefill_seconds(self, start: int, tokens: int) -> float:
         """Predicted cost of prefilling `tokens` tokens from position `start` within a step."""
-        fixed, per_token, per_pair = self.coefficients()
-        return fixed + per_token * tokens + per_pair * attention_pairs(start, tokens)
+        per_token, per_pair = self.coefficients()
+        return per_token * tokens + per_pair * attention_pairs(start, tokens)
 
     def tokens_within(self, seconds: float, start: int) -> int:
         """The most prompt tokens from position `start` whose prefill fits `seconds` (may be 0)."""
-        fixed, a, b = self.coefficients()
-        seconds -= fixed
         if seconds <= 0:
             return 0
+        a, b = self.coefficients()
         # a*n + b*(n*start + n*(n+1)/2) <= seconds, a quadratic in n.
         linear = a + b * (start + 0.5)
         if b <= 0:
             return int(seconds / linear) if linear > 0 else 1 << 30
         return max(0, int((-linear + math.sqrt(linear * linear + 2 * b * seconds)) / b))
 
-    def _solve(self) -> tuple[float, float, float]:
+    def _solve(self) -> tuple[float, float]:
         """Ridge least squares, each coefficient pulled towards its prior in proportion to its own
-        data; no coefficient below zero (a negative one is held at zero and the rest refitted)."""
+        data; neither below zero (a negative one is held at zero and the other refitted)."""
         per_token = self.decode_s / PRIOR_SLICE if self.decode_s else PRIOR_TOKEN_SECONDS
-        prior = [0.0, per_token, per_token]
-        free = [0, 1, 2]
-        while True:
-            fit = _ridge([[self._xx[i][j] for j in free] for i in free], [self._xy[i] for i in free],
-                         [prior[i] for i in free])
-            if fit is None or min(fit) >= 0:
-                break
-            free.pop(min(range(len(free)), key=lambda k: fit[k]))
-        coef = [0.0, per_token, per_token]
-        for k, i in enumerate(free):
-            coef[i] = fit[k] if fit is not None else prior[i]
-        return coef[0], coef[1], coef[2]
+        fit = _ridge(self._xx, self._xy, [per_token, per_token])
+        if fit is None:
+            return per_token, per_token
+        if min(fit) >= 0:
+            return fit[0], fit[1]
+        keep = 0 if fit[0] >= fit[1] else 1              # the other is held at zero
+        alone = _ridge([[self._xx[keep][keep]]], [self._xy[keep]], [per_token])
+        coef = [0.0, 0.0]
+        coef[keep] = max(alone[0], 0.0) if alone else per_token
+        return coef[0], coef[1]
 
 
 def _ridge(xx: list[list[float]], xy: list[float], prior: list[float]) -> list[float] | None:

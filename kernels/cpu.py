@@ -40,13 +40,12 @@ QBLOCK = 64                # activation quantization block of the int8 product (
 
 
 def attention_in_c(query_len: int, context_len: int) -> bool:
-    """Whether the C kernel rather than flash SDPA attends for one sequence's share of a batch
-    (measured, README): decodes and short verifies always; speculative verifies (up to 16 queries)
-    over up to 16K query-key pairs; longer query runs only over short contexts (the kernel does
-    one query row at a time, SDPA a matrix product). Alone, SDPA wins a 9-query verify from ~256
-    positions on; inside a step its OpenMP threads and the C products' pool contend for the cores,
-    and C attention (which also lets the whole forward run in one call) wins up to ~1,800."""
-    return query_len <= 3 or query_len * context_len <= (16384 if query_len <= 16 else 2048)
+    """Whether the C kernel rather than flash SDPA attends for one sequence's share of a batch:
+    up to LINEAR_MAX_ROWS queries, over any context, so a batch of that many rows (decodes, a
+    verify, a prefill slice beside a stream) runs as one C call. Sequences of 4 or more queries go
+    by tiles of 16 (query, head) rows vectorized across the rows: at 16-32 queries as fast as SDPA
+    or faster, at 64 and more about half as fast (SmolLM2-135M's heads, 2026-11-26, README)."""
+    return query_len <= LINEAR_MAX_ROWS
 
 
 class KernelsUnavailable(RuntimeError):

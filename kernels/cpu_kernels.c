@@ -859,6 +859,134 @@ struct attention_job {
     float *out;
 };
 
+/* Sequences of TILE_MIN_QUERIES or more queries (prefill slices, long verifies) go by tiles
+ * (attention_tiles); the others one (token, head) pair at a time (attention_items). */
+#define TILE_MIN_QUERIES 4
+#define TR 16   /* (query, head) rows of one KV head in a tile: one vector lane each */
+#define TK 16   /* keys scored at once */
+/* A vector of TR floats, one per row of a tile (GCC/Clang vector extensions: the compiler maps it
+ * to the target's registers, one zmm, two ymm or four NEON q registers). */
+typedef float lanes __attribute__((vector_size(TR * sizeof(float))));
+
+static int tiles_of(int queries, int group) { return (queries * group + TR - 1) / TR; }
+
+/* One tile: up to TR rows of one KV head against keys 0..last, vectorized across the rows. The
+ * queries are copied transposed once (qt[d][row]), so a key's scores for all rows are one
+ * multiply-add per dimension with the key's element broadcast: the TK keys' scores stay in
+ * registers, the online softmax runs on vectors of rows, and the weighted values are added into
+ * ot[d][row] the same way. Lanes past the tile's rows carry zeros and are never written out. */
+static void attend_tile(const struct attention_job *job, const float *const *qrow, const int *pos, int R,
+                        const int32_t *table, size_t head, float *out_rows[TR]) {
+    int D = job->D, bs = job->bs;
+    size_t row = (size_t)job->KVH * D;
+    lanes qt[MAX_HEAD_DIM], ot[MAX_HEAD_DIM];
+    float m[TR], l[TR], lim[TR];
+    for (int d = 0; d < D; d++) {
+        float t[TR];
+        for (int r = 0; r < TR; r++) t[r] = r < R ? qrow[r][d] * job->scale : 0.f;
+        memcpy(&qt[d], t, sizeof t);
+        ot[d] = (lanes){0};
+    }
+    for (int r = 0; r < TR; r++) {
+        m[r] = -INFINITY, l[r] = 0.f;
+        lim[r] = r < R ? (float)pos[r] : -1.f;     /* padding lanes see no key */
+    }
+    int last = pos[R - 1];
+    for (int j0 = 0; j0 <= last;) {
+        int in_block = bs - j0 % bs, left = last + 1 - j0;
+        int nk = left < in_block ? left : in_block;
+        nk = nk < TK ? nk : TK;
+        size_t first = ((size_t)table[j0 / bs] * bs + j0 % bs) * row + head;
+        const float *kr = job->k_cache + first, *vr = job->v_cache + first;
+        lanes acc[TK];
+        for (int j = 0; j < TK; j++) acc[j] = (lanes){0};
+        if (nk == TK) {     /* (the usual full tile: constant bounds keep the scores in registers) */
+            for (int d = 0; d < D; d++) {
+                lanes q = qt[d];
+#pragma GCC unroll 16
+                for (int j = 0; j < TK; j++) acc[j] += kr[j * row + d] * q;
+            }
+        } else {
+            for (int d = 0; d < D; d++)
+                for (int j = 0; j < nk; j++) acc[j] += kr[j * row + d] * qt[d];
+        }
+        float sc[TK][TR], mt[TR], alpha[TR];
+        memcpy(sc, acc, sizeof sc);
+#pragma omp simd
+        for (int r = 0; r < TR; r++) mt[r] = m[r];
+        for (int j = 0; j < nk; j++) {
+            float kp = (float)(j0 + j);
+#pragma omp simd
+            for (int r = 0; r < TR; r++) mt[r] = kp <= lim[r] ? fmaxf(mt[r], sc[j][r]) : mt[r];
+        }
+#pragma omp simd
+        for (int r = 0; r < TR; r++) {
+            alpha[r] = mt[r] == -INFINITY ? 1.f : exp_fast(m[r] - mt[r]);
+            l[r] *= alpha[r];
+            m[r] = mt[r];
+        }
+        for (int j = 0; j < nk; j++) {
+            float kp = (float)(j0 + j);
+#pragma omp simd
+            for (int r = 0; r < TR; r++) {
+                sc[j][r] = kp <= lim[r] ? exp_fast(sc[j][r] - m[r]) : 0.f;
+                l[r] += sc[j][r];
+            }
+        }
+        lanes p[TK], scale;
+        memcpy(p, sc, sizeof p);
+        memcpy(&scale, alpha, sizeof scale);
+        if (nk == TK) {
+            for (int d = 0; d < D; d++) {
+                lanes o = ot[d] * scale;
+#pragma GCC unroll 16
+                for (int j = 0; j < TK; j++) o += vr[j * row + d] * p[j];
+                ot[d] = o;
+            }
+        } else {
+            for (int d = 0; d < D; d++) {
+                lanes o = ot[d] * scale;
+                for (int j = 0; j < nk; j++) o += vr[j * row + d] * p[j];
+                ot[d] = o;
+            }
+        }
+        j0 += nk;
+    }
+    for (int r = 0; r < R; r++) {
+        float inv = 1.f / l[r];
+        for (int d = 0; d < D; d++) out_rows[r][d] = ot[d][r] * inv;
+    }
+}
+
+/* Work items [lo, hi): one tile of one KV head of one tiled sequence, sequences in order. A
+ * tile's rows are (query, head) pairs taken query by query over the KV head's group of heads. */
+static void attention_tiles(const void *arg, int lo, int hi) {
+    const struct attention_job *job = arg;
+    int H = job->H, D = job->D, group = H / job->KVH;
+    for (int item = lo; item < hi; item++) {
+        int s = 0, rest = item, n;
+        for (;; s++) {
+            n = job->cu_q[s + 1] - job->cu_q[s];
+            if (n < TILE_MIN_QUERIES) continue;
+            int items = job->KVH * tiles_of(n, group);
+            if (rest < items) break;
+            rest -= items;
+        }
+        int tiles = tiles_of(n, group), kvh = rest / tiles, r0 = (rest % tiles) * TR;
+        int R = n * group - r0 < TR ? n * group - r0 : TR;
+        int t0 = job->cu_q[s], first_pos = job->ctx[s] - n, pos[TR];
+        const float *qrow[TR];
+        float *orow[TR];
+        for (int r = 0; r < R; r++) {
+            int qi = (r0 + r) / group, h = kvh * group + (r0 + r) % group;
+            qrow[r] = job->q + (int64_t)(t0 + qi) * job->q_stride + (int64_t)h * D;
+            orow[r] = job->out + ((int64_t)(t0 + qi) * H + h) * D;
+            pos[r] = first_pos + qi;
+        }
+        attend_tile(job, qrow, pos, R, job->tables + (int64_t)s * job->max_blocks, (size_t)kvh * D, orow);
+    }
+}
+
 /* Work items [lo, hi): item = token * H + head. */
 static void attention_items(const void *arg, int lo, int hi) {
     const struct attention_job *job = arg;
@@ -871,6 +999,7 @@ static void attention_items(const void *arg, int lo, int hi) {
     for (int item = lo; item < hi; item++) {
         int t = item / H, h = item % H, s = 0;
         while (cu_q[s + 1] <= t) s++;
+        if (cu_q[s + 1] - cu_q[s] >= TILE_MIN_QUERIES) continue;      /* attention_tiles' */
         int pos = ctx[s] - (cu_q[s + 1] - cu_q[s]) + (t - cu_q[s]);
         const float *qv = q + t * q_stride + (int64_t)h * D;
         const int32_t *table = tables + (int64_t)s * max_blocks;
@@ -922,10 +1051,18 @@ void pd_paged_attention(const float *q, int64_t q_stride, const float *k_cache, 
     for (int s = 0; s < S; s++) macs += (int64_t)(cu_q[s + 1] - cu_q[s]) * ctx[s] * H * D * 2;
     struct attention_job job = {q, k_cache, v_cache, q_stride, tables, cu_q, ctx, max_blocks, H, KVH, D, bs,
                                 scale, out};
-    int items = cu_q[S] * H;
-    int chunk = items / (2 * threads) > 1 ? items / (2 * threads) : 1;
-    /* (a key costs several times its multiply-adds here: an exp, a rescale, a scattered page) */
-    parallel_rows(attention_items, &job, items, chunk, macs >= ATTENTION_PAR_MACS ? threads : 1);
+    int items = cu_q[S] * H, tiles = 0, short_queries = 0;
+    for (int s = 0; s < S; s++) {
+        int n = cu_q[s + 1] - cu_q[s];
+        if (n >= TILE_MIN_QUERIES) tiles += KVH * tiles_of(n, H / KVH);
+        else short_queries += n;
+    }
+    int par = macs >= ATTENTION_PAR_MACS ? threads : 1;
+    if (tiles) parallel_rows(attention_tiles, &job, tiles, 1, par);
+    if (short_queries) {   /* (a key costs several times its multiply-adds here: an exp, a rescale, a scattered page) */
+        int chunk = items / (2 * threads) > 1 ? items / (2 * threads) : 1;
+        parallel_rows(attention_items, &job, items, chunk, par);
+    }
 }
 
 /* ---- whole layers: one call per forward, so a decode step pays Python's overhead once ---- */

@@ -276,14 +276,14 @@ def _decoding(sched: Scheduler, rid: str = "stream") -> Sequence:
     return s
 
 
-def _learned(per_token: float, per_pair: float, decode: float, fixed: float = 0.0) -> StepCost:
+def _learned(per_token: float, per_pair: float, decode: float) -> StepCost:
     """A cost model that has seen steps of a machine whose costs are exactly these."""
     cost = StepCost(pair_ratio=per_pair / per_token)
     for _ in range(5):
         cost.record_decode(decode)
     for start, n in ((0, 64), (500, 32), (1500, 48), (100, 200), (800, 16), (300, 100)):
         pairs = attention_pairs(start, n)
-        cost.record_prefill(n, pairs, decode + fixed + per_token * n + per_pair * pairs)
+        cost.record_prefill(n, pairs, decode + per_token * n + per_pair * pairs)
     return cost
 
 

@@ -108,9 +108,10 @@ def fp32_jobs() -> list[Job]:
                 TOL)]
 
 
-def attention_job(name: str, qlens: list[int], clens: list[int], kv_heads: int, group: int, head_dim: int) -> Job:
-    b = Batch(qlens, clens, kv_heads, group, head_dim, block_size=8, dtype=torch.float32)
-    dims = (len(qlens), kv_heads * group, kv_heads, head_dim, 8, b.k_cache.shape[0], b.block_tables.shape[1])
+def attention_job(name: str, qlens: list[int], clens: list[int], kv_heads: int, group: int, head_dim: int,
+                  block_size: int = 8) -> Job:
+    b = Batch(qlens, clens, kv_heads, group, head_dim, block_size=block_size, dtype=torch.float32)
+    dims = (len(qlens), kv_heads * group, kv_heads, head_dim, block_size, b.k_cache.shape[0], b.block_tables.shape[1])
     inputs = [b.query_start_loc, b.context_lens, b.block_tables, b.q, b.k_cache, b.v_cache]
     return Job(name, ATTENTION, dims, inputs, [b.expected(head_dim ** -0.5)], TOL)
 
@@ -118,7 +119,8 @@ def attention_job(name: str, qlens: list[int], clens: list[int], kv_heads: int, 
 def jobs() -> list[Job]:
     return [*int8_jobs(), *int4_jobs(), *fp32_jobs(),
             attention_job("decode", [1], [37], 2, 4, 64),                        # serial (below ATTENTION_PAR_MACS)
-            attention_job("multi-query", [5, 1, 3], [5, 33, 20], 3, 3, 32)]      # on the pool
+            attention_job("multi-query", [5, 1, 3], [5, 33, 20], 3, 3, 32),      # on the pool
+            attention_job("full tiles", [20, 1, 4], [90, 40, 33], 3, 3, 64, block_size=16)]   # the unrolled path
 
 
 def write_jobs(path: Path, todo: list[Job]) -> None:

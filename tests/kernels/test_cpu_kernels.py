@@ -245,6 +245,19 @@ def test_paged_attention_matches_reference(ops, qlens, clens, kv_heads, group, h
     torch.testing.assert_close(out, batch.expected(scale), **TOL)
 
 
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("kv_heads,group,head_dim", [(3, 3, 64), (2, 4, 40), (1, 8, 16)])
+def test_tiled_attention_over_full_key_tiles_matches_reference(ops, block_size, kv_heads, group, head_dim):
+    # Blocks of 16 keys or more give the tile kernel full tiles (its unrolled path); a prefill
+    # slice over a long cached prefix, a short prompt from scratch, a decode and a 4-query verify.
+    qlens, clens = [37, 6, 1, 4], [300, 6, 50, 77]
+    batch = Batch(qlens, clens, kv_heads, group, head_dim, block_size=block_size, dtype=torch.float32)
+    scale = head_dim ** -0.5
+    assert all(cpu.attention_in_c(n, c) for n, c in zip(qlens, clens))
+    out = ops.paged_attention(*batch.args("cpu"), scale, query_lens_host=qlens, context_lens_host=clens)
+    torch.testing.assert_close(out, batch.expected(scale), **TOL)
+
+
 def test_long_query_runs_go_to_flash_sdpa(ops):
     qlens = [64]
     assert not cpu.attention_in_c(64, 64)
@@ -254,17 +267,17 @@ def test_long_query_runs_go_to_flash_sdpa(ops):
 
 
 def test_mixed_step_sends_each_sequence_to_its_kernel(ops):
-    # decodes (C), a long chunk over a long context (SDPA), a verify (C), a verify over a long context (SDPA)
-    qlens, clens = [1, 40, 4, 1, 9], [30, 300, 90, 7, 1900]
-    assert [cpu.attention_in_c(n, c) for n, c in zip(qlens, clens)] == [True, False, True, True, False]
+    # decodes (C), a long chunk (SDPA), a verify (C), a verify over a long context (C, by tiles)
+    qlens, clens = [1, 48, 4, 1, 9], [30, 300, 90, 7, 1900]
+    assert [cpu.attention_in_c(n, c) for n, c in zip(qlens, clens)] == [True, False, True, True, True]
     batch = Batch(qlens, clens, 2, 3, 32, block_size=8, dtype=torch.float32)
     out = ops.paged_attention(*batch.args("cpu"), 0.2, query_lens_host=qlens, context_lens_host=clens)
     torch.testing.assert_close(out, batch.expected(0.2), **TOL)
 
 
 @pytest.mark.parametrize("qlens, clens", [
-    ([1, 1, 2, 40], [30, 7, 90, 300]),        # decodes then a chunk: each kernel's rows are one run
-    ([40, 1, 300, 1], [300, 30, 1200, 7]),    # interleaved: the rows are gathered
+    ([1, 1, 2, 48], [30, 7, 90, 300]),        # decodes then a chunk: each kernel's rows are one run
+    ([48, 1, 300, 1], [300, 30, 1200, 7]),    # interleaved: the rows are gathered
 ])
 def test_mixed_step_rows_in_one_run_or_interleaved(ops, qlens, clens):
     batch = Batch(qlens, clens, 2, 3, 32, block_size=8, dtype=torch.float32)
