@@ -197,7 +197,8 @@ class Engine:
         seconds = time.perf_counter() - t0
         self.meter.record(plan, sum(len(d.tokens) for d in drafts.values()), seconds, self.precision.read_bytes)
         if plan.prompt_tokens:
-            self.scheduler.cost.record_prefill(plan.prompt_tokens, plan.prompt_pairs, seconds)
+            self.scheduler.cost.record_prefill(plan.prompt_tokens, plan.prompt_pairs, plan.num_decode_tokens > 0,
+                                               seconds)
         elif decoding and not drafts:
             self.scheduler.cost.record_decode(seconds)
         if decoding:

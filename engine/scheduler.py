@@ -225,7 +225,8 @@ class _PlanBuilder:
         prompt = [i for i in self.items if i.seq.in_prefill]
         predicted = 0.0
         if prompt:
-            predicted = (self.cost.decode_s or 0.0) + sum(self.cost.prefill_seconds(i.start, i.num_tokens)
+            beside = len(prompt) < len(self.items)
+            predicted = (self.cost.decode_s or 0.0) + sum(self.cost.prefill_seconds(i.start, i.num_tokens, beside)
                                                           for i in prompt)
         return StepPlan(self.items, self.failed, sum(i.num_tokens for i in prompt),
                         sum(attention_pairs(i.start, i.num_tokens) for i in prompt),

@@ -8,9 +8,15 @@ A step is modeled as the decode step it carries plus its prefill work:
 recent ones: the running streams' TPOT, which the step budget is a multiple of). `tokens` are the
 prompt tokens the step computes and `pairs` the query-key pairs their attention scores: a token at
 position p sees p + 1 keys, so a slice late in a long prompt costs more than an early one. Both
-coefficients are fitted online (least squares, recent steps weighted more) from every step that
-prefilled, each pulled slightly towards a prior: a 16-token slice costing about a decode step, and
-a pair costing what the model's FLOPs say relative to a token.
+coefficients are fitted online (least squares, recent steps weighted more), each pulled slightly
+towards a prior: a 16-token slice costing about a decode step, and a pair costing what the
+model's FLOPs say relative to a token.
+
+Two fits: prompt slices beside decoding streams (what the budget sizes), and prompts prefilled
+with no stream to protect (whole, and the prefill progress's estimate). They run on different
+paths at different efficiency (a CPU: a slice of up to 40 rows as one C call; a whole prompt on
+BLAS and flash attention, half the cost per token): one fit of both sized the first slices after a
+long lone prompt twice too large.
 
 There is no separate fixed cost of a step with a prompt slice: the slices the budget picks are
 mostly alike, so a fixed part and a per-token part cannot be told apart from them, and a wrong
@@ -50,43 +56,32 @@ class StepCost:
     def __init__(self, pair_ratio: float):
         self.pair_ratio = pair_ratio
         self.decode_s: float | None = None          # a decode-only step, recent average
-        # Weighted sums of the least-squares fit over features (tokens, pairs in token units).
-        self._xx = [[0.0, 0.0], [0.0, 0.0]]
-        self._xy = [0.0, 0.0]
-        self._fit: tuple[float, float] | None = None
+        self._beside = _Fit(pair_ratio)             # prompt slices in steps with decodes
+        self._alone = _Fit(pair_ratio)              # prompt work in steps without
 
-    # ---- learning ----------------------------------------------------------------------------
     def record_decode(self, seconds: float) -> None:
         """A decode-only step (no prompt tokens, no drafts) took `seconds`."""
         self.decode_s = seconds if self.decode_s is None else DECAY * self.decode_s + (1 - DECAY) * seconds
 
-    def record_prefill(self, tokens: int, pairs: int, seconds: float) -> None:
-        """A step computed `tokens` prompt tokens scoring `pairs` query-key pairs in `seconds`."""
-        if tokens <= 0:
-            return
-        x = (float(tokens), pairs * self.pair_ratio)
-        work = max(seconds - (self.decode_s or 0.0), 0.0)
-        for i in range(2):
-            self._xy[i] = DECAY * self._xy[i] + x[i] * work
-            for j in range(2):
-                self._xx[i][j] = DECAY * self._xx[i][j] + x[i] * x[j]
-        self._fit = None
+    def record_prefill(self, tokens: int, pairs: int, decoded: bool, seconds: float) -> None:
+        """A step computed `tokens` prompt tokens scoring `pairs` query-key pairs (beside decodes
+        when `decoded`) in `seconds`."""
+        if tokens > 0:
+            (self._beside if decoded else self._alone).add(tokens, pairs, max(seconds - (self.decode_s or 0.0), 0.0))
 
-    # ---- predicting --------------------------------------------------------------------------
-    def coefficients(self) -> tuple[float, float]:
-        """(seconds per prompt token, seconds per query-key pair)."""
-        if self._fit is None:
-            self._fit = self._solve()
-        per_token, per_unit = self._fit
-        return per_token, per_unit * self.pair_ratio
+    def coefficients(self, decoded: bool = True) -> tuple[float, float]:
+        """(seconds per prompt token, seconds per query-key pair), beside decodes or alone."""
+        prior = self.decode_s / PRIOR_SLICE if self.decode_s else PRIOR_TOKEN_SECONDS
+        return (self._beside if decoded else self._alone).coefficients(prior)
 
-    def prefill_seconds(self, start: int, tokens: int) -> float:
+    def prefill_seconds(self, start: int, tokens: int, decoded: bool = True) -> float:
         """Predicted cost of prefilling `tokens` tokens from position `start` within a step."""
-        per_token, per_pair = self.coefficients()
+        per_token, per_pair = self.coefficients(decoded)
         return per_token * tokens + per_pair * attention_pairs(start, tokens)
 
     def tokens_within(self, seconds: float, start: int) -> int:
-        """The most prompt tokens from position `start` whose prefill fits `seconds` (may be 0)."""
+        """The most prompt tokens from position `start` whose prefill beside decodes fits
+        `seconds` (may be 0)."""
         if seconds <= 0:
             return 0
         a, b = self.coefficients()
@@ -96,19 +91,42 @@ class StepCost:
             return int(seconds / linear) if linear > 0 else 1 << 30
         return max(0, int((-linear + math.sqrt(linear * linear + 2 * b * seconds)) / b))
 
-    def _solve(self) -> tuple[float, float]:
-        """Ridge least squares, each coefficient pulled towards its prior in proportion to its own
+
+class _Fit:
+    """Prefill seconds ~ per_token * tokens + per_pair * pairs, exponentially weighted least
+    squares over (tokens, pairs in token units)."""
+
+    def __init__(self, pair_ratio: float):
+        self.pair_ratio = pair_ratio
+        self._xx = [[0.0, 0.0], [0.0, 0.0]]
+        self._xy = [0.0, 0.0]
+        self._fit: tuple[float, float, float] | None = None    # (prior, per_token, per_unit)
+
+    def add(self, tokens: int, pairs: int, seconds: float) -> None:
+        x = (float(tokens), pairs * self.pair_ratio)
+        for i in range(2):
+            self._xy[i] = DECAY * self._xy[i] + x[i] * seconds
+            for j in range(2):
+                self._xx[i][j] = DECAY * self._xx[i][j] + x[i] * x[j]
+        self._fit = None
+
+    def coefficients(self, prior: float) -> tuple[float, float]:
+        if self._fit is None or self._fit[0] != prior:
+            self._fit = (prior, *self._solve(prior))
+        return self._fit[1], self._fit[2] * self.pair_ratio
+
+    def _solve(self, prior: float) -> tuple[float, float]:
+        """Ridge least squares, each coefficient pulled towards the prior in proportion to its own
         data; neither below zero (a negative one is held at zero and the other refitted)."""
-        per_token = self.decode_s / PRIOR_SLICE if self.decode_s else PRIOR_TOKEN_SECONDS
-        fit = _ridge(self._xx, self._xy, [per_token, per_token])
+        fit = _ridge(self._xx, self._xy, [prior, prior])
         if fit is None:
-            return per_token, per_token
+            return prior, prior
         if min(fit) >= 0:
             return fit[0], fit[1]
         keep = 0 if fit[0] >= fit[1] else 1              # the other is held at zero
-        alone = _ridge([[self._xx[keep][keep]]], [self._xy[keep]], [per_token])
+        alone = _ridge([[self._xx[keep][keep]]], [self._xy[keep]], [prior])
         coef = [0.0, 0.0]
-        coef[keep] = max(alone[0], 0.0) if alone else per_token
+        coef[keep] = max(alone[0], 0.0) if alone else prior
         return coef[0], coef[1]
 
 

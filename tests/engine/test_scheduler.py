@@ -283,7 +283,7 @@ def _learned(per_token: float, per_pair: float, decode: float) -> StepCost:
         cost.record_decode(decode)
     for start, n in ((0, 64), (500, 32), (1500, 48), (100, 200), (800, 16), (300, 100)):
         pairs = attention_pairs(start, n)
-        cost.record_prefill(n, pairs, decode + per_token * n + per_pair * pairs)
+        cost.record_prefill(n, pairs, True, decode + per_token * n + per_pair * pairs)
     return cost
 
 

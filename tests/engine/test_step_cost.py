@@ -20,7 +20,7 @@ def test_the_fit_recovers_a_machines_costs_from_its_steps():
         cost.record_decode(decode)
     for start, n in ((0, 40), (40, 17), (57, 33), (90, 64), (154, 16), (170, 90), (260, 25), (285, 48)):
         pairs = attention_pairs(start, n)
-        cost.record_prefill(n, pairs, decode + per_token * n + per_pair * pairs)
+        cost.record_prefill(n, pairs, True, decode + per_token * n + per_pair * pairs)
     got_token, got_pair = cost.coefficients()
     assert got_token == pytest.approx(per_token, rel=0.05)
     assert got_pair == pytest.approx(per_pair, rel=0.1)
@@ -33,7 +33,7 @@ def test_recent_steps_outweigh_old_ones_when_the_machine_slows_down():
     cost.record_decode(0.02)
     for speed in (1.0, 3.0):
         for start, n in ((0, 32), (32, 64), (96, 16), (112, 48)) * 8:
-            cost.record_prefill(n, attention_pairs(start, n), 0.02 + speed * 1e-3 * n)
+            cost.record_prefill(n, attention_pairs(start, n), True, 0.02 + speed * 1e-3 * n)
     assert cost.coefficients()[0] == pytest.approx(3e-3, rel=0.1)
 
 
@@ -60,7 +60,21 @@ def test_slices_that_are_all_alike_do_not_shrink_the_next_ones():
     cost.record_decode(decode)
     for start in range(1000, 1700, 16):
         pairs = attention_pairs(start, 16)
-        cost.record_prefill(16, pairs, decode + per_token * 16 + per_pair * pairs)
+        cost.record_prefill(16, pairs, True, decode + per_token * 16 + per_pair * pairs)
     fits = cost.tokens_within(2 * decode, 0)
     truth = max(n for n in range(1, 200) if per_token * n + per_pair * attention_pairs(0, n) <= 2 * decode)
     assert fits == pytest.approx(truth, rel=0.15)
+
+
+def test_a_long_lone_prompt_does_not_teach_the_slices_beside_streams():
+    # A whole prompt alone runs at about half the per-token cost of a slice beside a stream
+    # (BLAS and flash attention against one C call): the slices keep their own fit.
+    cost = StepCost(pair_ratio=3e-4)
+    cost.record_decode(0.026)
+    for start, n in ((0, 24), (24, 30), (54, 20), (74, 28)):
+        cost.record_prefill(n, attention_pairs(start, n), True, 0.026 + 1e-3 * n)
+    beside = cost.coefficients()
+    cost.record_prefill(1800, attention_pairs(0, 1800), False, 0.026 + 0.4e-3 * 1800)
+    assert cost.coefficients() == beside
+    assert cost.coefficients(decoded=False)[0] < beside[0] / 2
+    assert cost.prefill_seconds(0, 1800, decoded=False) == pytest.approx(0.4e-3 * 1800, rel=0.05)
