@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import replace
 from typing import Any
@@ -21,9 +22,9 @@ from pdchat.bench import Progress, filler_text, median, ratio
 
 def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, Any]:
     sizes = dict(conversation_words=120, long_prompt_words=150, batch=4, naive_position=100, repeats=1,
-                 budgets=[2.5], chunks=[16, None]) if quick else \
+                 budgets=[2.5], chunks=[16, None], rounds=1) if quick else \
         dict(conversation_words=1500, long_prompt_words=1500, batch=16, naive_position=500, repeats=3,
-             budgets=[2.0, 2.5, 3.0, 4.0, 6.0], chunks=[16, 32, 64, 128, 256, None])
+             budgets=[2.0, 2.5, 3.0, 4.0, 6.0], chunks=[16, 32, 64, 128, 256, None], rounds=3)
     engine = Engine(replace(config, telemetry=False), say=lambda m: None)
     try:
         out: dict[str, Any] = {"model": config.model, "device": str(engine.device), "inputs": sizes}
@@ -31,7 +32,7 @@ def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, A
         out["prefix_cache"] = prefix_cache(engine, sizes["conversation_words"], sizes["repeats"])
         progress("chunked prefill", 0.25)
         out["chunked_prefill"] = chunked_prefill(engine, sizes["long_prompt_words"], sizes["chunks"],
-                                                 sizes["budgets"])
+                                                 sizes["budgets"], sizes["rounds"])
         progress("batching", 0.55)
         out["batching"] = batching(engine, sizes["batch"])
         progress("naive vs KV cache", 0.8)
@@ -71,17 +72,21 @@ def prefix_cache(engine: Engine, words: int, repeats: int) -> dict[str, Any]:
 
 
 def chunked_prefill(engine: Engine, words: int, chunks: list[int | None],
-                    budgets: list[float] = ()) -> dict[str, Any]:
-    """One row per step budget (chunk "auto": slices sized by time), then per fixed chunk size."""
+                    budgets: list[float] = (), rounds: int = 1) -> dict[str, Any]:
+    """One row per step budget (chunk "auto": slices sized by time), then per fixed chunk size:
+    each measure the median of `rounds` rounds (settings interleaved within a round), because a
+    worst gap is one step, and one hiccup of the machine makes it."""
     base = engine.config
     long_prompt = "Read this:\n" + filler_text(words, seed=1) + "\nSummarize it."
     settings = [dict(chunk_size="auto", step_budget=b) for b in budgets] + \
         [dict(chunk_size=c, step_budget=None) for c in chunks]
-    rows = []
-    for setting in settings:
-        engine.update(chunk_size=setting["chunk_size"], step_budget=setting["step_budget"] or base.step_budget,
-                      prefix_cache=False)   # the newcomer must really prefill
-        rows.append(setting | _stutter(engine, long_prompt))
+    runs: list[list[dict[str, Any]]] = [[] for _ in settings]
+    for _ in range(rounds):
+        for setting, seen in zip(settings, runs):
+            engine.update(chunk_size=setting["chunk_size"], step_budget=setting["step_budget"] or base.step_budget,
+                          prefix_cache=False)   # the newcomer must really prefill
+            seen.append(_stutter(engine, long_prompt))
+    rows = [setting | {key: median([r[key] for r in seen]) for key in seen[0]} for setting, seen in zip(settings, runs)]
     _restore(engine, base)
     default = next((r for r in rows if r["chunk_size"] == base.chunk_size
                     and r["step_budget"] in (None, base.step_budget)), None)
@@ -118,6 +123,7 @@ def _stutter(engine: Engine, long_prompt: str) -> dict[str, Any]:
     worst = max(during)
     result = newcomer.result()
     return {"median_tpot_ms": tpot, "worst_gap_ms": worst, "worst_gap_over_tpot": worst / tpot,
+            "p95_gap_over_tpot": statistics.quantiles(during, n=20)[-1] / tpot if len(during) > 1 else worst / tpot,
             "newcomer_prompt_tokens": result.metrics.prompt_tokens, "newcomer_ttft_ms": result.metrics.ttft_ms}
 
 
