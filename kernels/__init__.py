@@ -50,7 +50,9 @@ def load(name: str, cache_dir: Path | None = None) -> SimpleNamespace:
             raise ValueError("the cpu backend needs a cache folder for its build")
         own = cpu.CpuKernels(cpu.library(cache_dir))
     ops = {op: getattr(own, op, None) or getattr(reference, op) for op in OPS}
-    return SimpleNamespace(name=name, **ops)
+    # The most rows a forward takes on the backend's fast path (None: no such edge): past it a
+    # step costs more than its rows say, so the scheduler's time budget keeps slices within it.
+    return SimpleNamespace(name=name, fast_rows=getattr(own, "FAST_ROWS", None), **ops)
 
 
 __all__ = ["BACKENDS", "OPS", "choose", "load", "paged_attention", "store_kv"]

@@ -258,6 +258,8 @@ class CpuKernels:
     its tensors suit the C code and falling back to the reference otherwise; split, the one
     interface would be scattered over files."""
 
+    FAST_ROWS = LINEAR_MAX_ROWS     # a forward of up to this many rows can be one C call (run_layers)
+
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
         self.sliced = SlicedBlas()                  # quantized products of long prefills

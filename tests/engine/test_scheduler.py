@@ -354,3 +354,18 @@ def test_with_no_stream_to_protect_a_prompt_goes_whole_under_a_time_budget():
     plan = sched.schedule()
     assert [i.num_tokens for i in plan.items] == [3000] and plan.planned_s is None
     assert plan.prompt_tokens == 3000 and plan.prompt_pairs == attention_pairs(0, 3000)
+
+
+def test_a_time_budgeted_slice_stays_within_the_kernels_fast_rows():
+    cost = _learned(1e-4, 1e-8, 0.025)           # cheap tokens: the budget alone would take hundreds
+    sched = make_scheduler(BlockManager(512, 16, prefix_cache=False), cost, max_num_seqs=8, chunk_size="auto",
+                           fast_rows=40)
+    streams = [_decoding(sched, f"s{i}") for i in range(3)]
+    sched.add(seq("new", 2000, start=100))
+    plan = sched.schedule()
+    assert [i.num_tokens for i in plan.items] == [1, 1, 1, 37]     # 40 rows in all
+    assert all(i.seq is s for i, s in zip(plan.items, streams))
+    unbounded = make_scheduler(BlockManager(512, 16, prefix_cache=False), cost, max_num_seqs=8, chunk_size="auto")
+    _decoding(unbounded)
+    unbounded.add(seq("new", 2000, start=100))
+    assert next(i.num_tokens for i in unbounded.schedule().items if i.seq.request_id == "new") > 100
