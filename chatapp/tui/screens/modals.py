@@ -63,7 +63,7 @@ be measured show *n/a*.
 | ITL | inter-token latency: the gap between two tokens as they arrive (its spikes are stalls) |
 | KV cache | the keys and values of every token so far, kept so each step computes only the new token |
 | Prefix cache | KV blocks of a prompt start seen before, reused: a repeated question skips most of its prefill |
-| Chunked prefill | a long prompt enters a few dozen tokens per step so other streams keep flowing |
+| Chunked prefill | a long prompt enters in slices while others stream; auto sizes each slice so a step takes about `step budget` decode steps (the panel's sliced step: planned vs took) |
 | Speculative decoding | cheap guesses of the next tokens, all checked in one forward; same output, fewer steps |
 | Neighbours | synthetic users chatting beside you: batching shares each step among them |
 """
