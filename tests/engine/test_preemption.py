@@ -6,10 +6,13 @@ from __future__ import annotations
 import random
 import time
 
+import pytest
+
 from pdchat.engine import Engine, SamplingParams
 
 
-def test_random_load_with_preemption_is_correct_and_leak_free():
+@pytest.mark.parametrize("chunk_size", [32, "auto"])        # token budget, time budget
+def test_random_load_with_preemption_is_correct_and_leak_free(chunk_size):
     rng = random.Random(1234)
     specs = []
     for i in range(300):
@@ -23,7 +26,8 @@ def test_random_load_with_preemption_is_correct_and_leak_free():
     with Engine(model="random:tiny", telemetry=False, num_kv_blocks=64) as big:
         expected = [s.result().token_ids for s in [big.submit(ids, p) for ids, p in specs]]
 
-    with Engine(model="random:tiny", telemetry=False, num_kv_blocks=24, chunk_size=32, max_num_seqs=16) as engine:
+    with Engine(model="random:tiny", telemetry=False, num_kv_blocks=24, chunk_size=chunk_size,
+                max_num_seqs=16) as engine:
         streams = []
         cancelled = set()
         for i, (ids, params) in enumerate(specs):
@@ -42,6 +46,8 @@ def test_random_load_with_preemption_is_correct_and_leak_free():
         assert st.kv_blocks_used == 0 and st.running == 0 and st.waiting == 0
         assert engine.blocks.num_free + 0 == st.kv_blocks_total
         assert st.kv_blocks_cached <= st.kv_blocks_total
+        if chunk_size == "auto":
+            assert st.sliced_step_planned_ms is not None, "the time budget should have sized some steps"
 
     preempted = 0
     for i, (r, want) in enumerate(zip(results, expected)):
