@@ -112,8 +112,8 @@ class LiveReply:
             reported += self.step_tokens * self.layers_done / self.layers
         shown = reported
         if self.phase == "prefill" and self.step_tokens and self.step_s > 0:
-            next_report = (self.layers_done + 1) / self.layers if self.layers else 1.0
-            ahead = min((now - self.t_progress) / self.step_s, next_report - self.layers_done / max(self.layers, 1))
+            to_next_report = 1 / self.layers if self.layers else 1.0      # a share of the step
+            ahead = min((now - self.t_progress) / self.step_s, to_next_report)
             shown += self.step_tokens * max(0.0, ahead)
         pace: dict[str, Any] = {"prefill_done": shown, "layers_done": self.layers_done, "layers": self.layers,
                                 "prefill_tok_s": None, "prefill_left_ms": None}
