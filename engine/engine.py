@@ -197,11 +197,7 @@ class Engine:
         self.outputs.process(plan, out, drafts, reserved, sampled, self._generator)
         seconds = time.perf_counter() - t0
         self.meter.record(plan, sum(len(d.tokens) for d in drafts.values()), seconds, self.precision.read_bytes)
-        if plan.prompt_tokens:
-            self.scheduler.cost.record_prefill(plan.prompt_tokens, plan.prompt_pairs, plan.num_decode_tokens > 0,
-                                               seconds)
-        elif decoding and not drafts:
-            self.scheduler.cost.record_decode(seconds)
+        self.scheduler.record(plan, seconds, drafted=bool(drafts))
         if decoding:
             made = sum(item.seq.num_output_tokens for item in plan.items) - made_before if counting else 0
             self.settings.weigh(len(plan.items), bool(drafts), made, seconds)

@@ -104,6 +104,14 @@ class Scheduler:
         self._admit_waiting(step)
         return step.plan()
 
+    def record(self, plan: StepPlan, seconds: float, drafted: bool) -> None:
+        """What a step took, for the cost model: a decode-only step without drafts gives the decode
+        time, a step with prompt tokens the cost of its prefill work."""
+        if plan.prompt_tokens:
+            self.cost.record_prefill(plan.prompt_tokens, plan.prompt_pairs, plan.num_decode_tokens > 0, seconds)
+        elif plan.decode_only and not drafted:
+            self.cost.record_decode(seconds)
+
     def _budget(self) -> "_PlanBuilder":
         """This step's budget: none unless someone is decoding; else tokens (a fixed chunk) or
         time (the prefill's share of step_budget decode steps, as the cost model predicts it)."""

@@ -254,7 +254,7 @@ def _split_by_kernel(block_tables: torch.Tensor, context_lens: torch.Tensor, qle
 class CpuKernels:
     """The backend's functions bound to one build of the library.
 
-    About 240 lines on purpose: one short method per kernel of the backend interface that
+    About 250 lines on purpose: one short method per kernel of the backend interface that
     reference.py and triton_attention.py also implement (kernels/__init__.py), each checking that
     its tensors suit the C code and falling back to the reference otherwise; split, the one
     interface would be scattered over files."""

@@ -875,6 +875,68 @@ static int tiles_of(int queries, int group) { return (queries * group + TR - 1) 
  * multiply-add per dimension with the key's element broadcast: the TK keys' scores stay in
  * registers, the online softmax runs on vectors of rows, and the weighted values are added into
  * ot[d][row] the same way. Lanes past the tile's rows carry zeros and are never written out. */
+/* Scores of a tile's nk keys (rows `row` floats apart) for all TR rows: acc[j] = K[j] . qt. */
+static inline void score_keys(const float *kr, size_t row, int nk, int D, const lanes *qt, lanes acc[TK]) {
+    for (int j = 0; j < TK; j++) acc[j] = (lanes){0};
+    if (nk == TK) {     /* (the usual full tile: constant bounds keep the scores in registers) */
+        for (int d = 0; d < D; d++) {
+            lanes q = qt[d];
+#pragma GCC unroll 16
+            for (int j = 0; j < TK; j++) acc[j] += kr[j * row + d] * q;
+        }
+    } else {
+        for (int d = 0; d < D; d++)
+            for (int j = 0; j < nk; j++) acc[j] += kr[j * row + d] * qt[d];
+    }
+}
+
+/* Online softmax over one tile, per row: keys past a row's position (lim) count for nothing;
+ * sc becomes the weights, m and l the running max and sum, alpha what the sums so far scale by. */
+static inline void softmax_keys(float sc[TK][TR], int nk, int j0, const float *lim, float *m, float *l,
+                                float *alpha) {
+    float mt[TR];
+#pragma omp simd
+    for (int r = 0; r < TR; r++) mt[r] = m[r];
+    for (int j = 0; j < nk; j++) {
+        float kp = (float)(j0 + j);
+#pragma omp simd
+        for (int r = 0; r < TR; r++) mt[r] = kp <= lim[r] ? fmaxf(mt[r], sc[j][r]) : mt[r];
+    }
+#pragma omp simd
+    for (int r = 0; r < TR; r++) {
+        alpha[r] = mt[r] == -INFINITY ? 1.f : exp_fast(m[r] - mt[r]);
+        l[r] *= alpha[r];
+        m[r] = mt[r];
+    }
+    for (int j = 0; j < nk; j++) {
+        float kp = (float)(j0 + j);
+#pragma omp simd
+        for (int r = 0; r < TR; r++) {
+            sc[j][r] = kp <= lim[r] ? exp_fast(sc[j][r] - m[r]) : 0.f;
+            l[r] += sc[j][r];
+        }
+    }
+}
+
+/* ot[d] = ot[d] * scale + sum over the tile's keys of V[j][d] * p[j], for all rows at once. */
+static inline void add_values(const float *vr, size_t row, int nk, int D, const lanes p[TK], lanes scale,
+                              lanes *ot) {
+    if (nk == TK) {
+        for (int d = 0; d < D; d++) {
+            lanes o = ot[d] * scale;
+#pragma GCC unroll 16
+            for (int j = 0; j < TK; j++) o += vr[j * row + d] * p[j];
+            ot[d] = o;
+        }
+    } else {
+        for (int d = 0; d < D; d++) {
+            lanes o = ot[d] * scale;
+            for (int j = 0; j < nk; j++) o += vr[j * row + d] * p[j];
+            ot[d] = o;
+        }
+    }
+}
+
 static void attend_tile(const struct attention_job *job, const float *const *qrow, const int *pos, int R,
                         const int32_t *table, size_t head, float *out_rows[TR]) {
     int D = job->D, bs = job->bs;
@@ -897,59 +959,14 @@ static void attend_tile(const struct attention_job *job, const float *const *qro
         int nk = left < in_block ? left : in_block;
         nk = nk < TK ? nk : TK;
         size_t first = ((size_t)table[j0 / bs] * bs + j0 % bs) * row + head;
-        const float *kr = job->k_cache + first, *vr = job->v_cache + first;
-        lanes acc[TK];
-        for (int j = 0; j < TK; j++) acc[j] = (lanes){0};
-        if (nk == TK) {     /* (the usual full tile: constant bounds keep the scores in registers) */
-            for (int d = 0; d < D; d++) {
-                lanes q = qt[d];
-#pragma GCC unroll 16
-                for (int j = 0; j < TK; j++) acc[j] += kr[j * row + d] * q;
-            }
-        } else {
-            for (int d = 0; d < D; d++)
-                for (int j = 0; j < nk; j++) acc[j] += kr[j * row + d] * qt[d];
-        }
-        float sc[TK][TR], mt[TR], alpha[TR];
+        lanes acc[TK], scale;
+        float sc[TK][TR], alpha[TR];
+        score_keys(job->k_cache + first, row, nk, D, qt, acc);
         memcpy(sc, acc, sizeof sc);
-#pragma omp simd
-        for (int r = 0; r < TR; r++) mt[r] = m[r];
-        for (int j = 0; j < nk; j++) {
-            float kp = (float)(j0 + j);
-#pragma omp simd
-            for (int r = 0; r < TR; r++) mt[r] = kp <= lim[r] ? fmaxf(mt[r], sc[j][r]) : mt[r];
-        }
-#pragma omp simd
-        for (int r = 0; r < TR; r++) {
-            alpha[r] = mt[r] == -INFINITY ? 1.f : exp_fast(m[r] - mt[r]);
-            l[r] *= alpha[r];
-            m[r] = mt[r];
-        }
-        for (int j = 0; j < nk; j++) {
-            float kp = (float)(j0 + j);
-#pragma omp simd
-            for (int r = 0; r < TR; r++) {
-                sc[j][r] = kp <= lim[r] ? exp_fast(sc[j][r] - m[r]) : 0.f;
-                l[r] += sc[j][r];
-            }
-        }
-        lanes p[TK], scale;
-        memcpy(p, sc, sizeof p);
+        softmax_keys(sc, nk, j0, lim, m, l, alpha);
+        memcpy(acc, sc, sizeof acc);
         memcpy(&scale, alpha, sizeof scale);
-        if (nk == TK) {
-            for (int d = 0; d < D; d++) {
-                lanes o = ot[d] * scale;
-#pragma GCC unroll 16
-                for (int j = 0; j < TK; j++) o += vr[j * row + d] * p[j];
-                ot[d] = o;
-            }
-        } else {
-            for (int d = 0; d < D; d++) {
-                lanes o = ot[d] * scale;
-                for (int j = 0; j < nk; j++) o += vr[j * row + d] * p[j];
-                ot[d] = o;
-            }
-        }
+        add_values(job->v_cache + first, row, nk, D, acc, scale, ot);
         j0 += nk;
     }
     for (int r = 0; r < R; r++) {
