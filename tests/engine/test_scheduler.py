@@ -1,6 +1,8 @@
 """The scheduler's plans under a full pool: what a preempted victim and a refused admission leave behind."""
 from __future__ import annotations
 
+import pytest
+
 from pdchat.engine.block_manager import BlockManager
 from pdchat.engine.config import SamplingParams
 from pdchat.engine.scheduler import FIRST_SLICE, MIN_SLICE, Scheduler
@@ -369,3 +371,21 @@ def test_a_time_budgeted_slice_stays_within_the_kernels_fast_rows():
     _decoding(unbounded)
     unbounded.add(seq("new", 2000, start=100))
     assert next(i.num_tokens for i in unbounded.schedule().items if i.seq.request_id == "new") > 100
+
+
+def test_the_cost_model_learns_decode_steps_without_drafts_and_every_prefill():
+    cost = StepCost(pair_ratio=1e-3)
+    sched = make_scheduler(BlockManager(64, 16, prefix_cache=False), cost, max_num_seqs=8, chunk_size="auto")
+    stream = seq("s", 4)
+    sched.add(stream)
+    first = sched.schedule()
+    assert first.prompt_tokens == 4
+    sched.record(first, 0.050, drafted=False)
+    assert cost.decode_s is None and cost.prefill_seconds(0, 4, decoded=False) == pytest.approx(0.050, rel=0.01)
+    run(first)
+    decode = sched.schedule()
+    assert decode.decode_only
+    sched.record(decode, 0.020, drafted=True)       # a verify with drafts: not a decode step's time
+    assert cost.decode_s is None
+    sched.record(decode, 0.020, drafted=False)
+    assert cost.decode_s == 0.020
