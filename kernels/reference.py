@@ -65,7 +65,7 @@ def _after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return out.to(q.dtype)
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=4)     # (a few: each can be n x c bytes, up to 768 x the context)
 def _after_cached(n: int, c: int, device: torch.device) -> torch.Tensor:
     """The mask of n queries at the end of c positions; every layer of a forward asks for the same."""
     return torch.ones(n, c, dtype=torch.bool, device=device).tril(c - n)
