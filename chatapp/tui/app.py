@@ -13,7 +13,7 @@ from textual.binding import Binding
 from textual.screen import Screen
 
 from pdchat.engine import settings as declared
-from pdchat.themes import DEFAULT_THEME, THEMES, role_defaults
+from pdchat.themes.textual_themes import DEFAULT_THEME, THEMES, role_defaults
 
 from pdchat.chatapp.backends.base import Backend, Settings, Toggles
 from pdchat.chatapp.tui.palette import palette_commands

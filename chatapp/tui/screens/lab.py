@@ -15,7 +15,7 @@ from textual.containers import VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Header, ProgressBar, Static
 
-from pdchat.themes import roles
+from pdchat.themes.textual_themes import roles
 
 from pdchat.chatapp import format as fmt
 from pdchat.chatapp.backends.base import Backend

@@ -13,7 +13,7 @@ from rich.text import Text
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
-from pdchat.themes import roles
+from pdchat.themes.textual_themes import roles
 
 from pdchat.chatapp.tui.live import LiveSnapshot
 from pdchat.chatapp.tui.widgets import panel_sections as sections
