@@ -3,6 +3,7 @@ rich, but not the chat app's textual, platformdirs, gguf, fastapi, uvicorn): imp
 a request and importing the benches must not need them."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ from pdchat.engine import paths
 
 UI_PACKAGES = ("textual", "platformdirs", "gguf", "fastapi", "uvicorn", "pytest_textual_snapshot")
 
-SCRIPT = """
+BLOCK = """
 import sys
 BLOCKED = set(sys.argv[1:])
 
@@ -21,6 +22,9 @@ class Block:
         return None
 
 sys.meta_path.insert(0, Block())
+"""
+
+SCRIPT = BLOCK + """
 from pdchat.engine import Engine, SamplingParams
 with Engine(model="random:tiny", telemetry=False, kv_cache_mb=8) as engine:
     out = engine.generate(["hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
@@ -34,6 +38,20 @@ def test_the_engine_and_the_benches_run_without_the_ui_packages():
     done = subprocess.run([sys.executable, "-c", SCRIPT, *UI_PACKAGES], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "loaded: []" in done.stdout
+
+
+def test_the_bench_command_runs_without_the_ui_packages():
+    script = BLOCK + """
+from pdchat.chatapp.cli.main import main
+code = main(["bench", "toggles", "--quick", "--model", "random:tiny", "--json"])
+print("loaded:", sorted(m for m in BLOCKED if m in sys.modules))
+sys.exit(code)
+"""
+    done = subprocess.run([sys.executable, "-c", script, *UI_PACKAGES], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout[:done.stdout.rindex("loaded:")])
+    assert report["suite"] == "toggles" and report["chunked_prefill"]["rows"]
+    assert done.stdout.rstrip().endswith("loaded: []")
 
 
 def test_without_platformdirs_the_xdg_folders_stand_in(tmp_path, monkeypatch):
