@@ -123,7 +123,7 @@ def _stutter(engine: Engine, long_prompt: str) -> dict[str, Any]:
     worst = max(during)
     result = newcomer.result()
     return {"median_tpot_ms": tpot, "worst_gap_ms": worst, "worst_gap_over_tpot": worst / tpot,
-            "p95_gap_over_tpot": statistics.quantiles(during, n=20)[-1] / tpot if len(during) > 1 else worst / tpot,
+            "p95_gap_over_tpot": statistics.quantiles(during, n=20, method="inclusive")[-1] / tpot if len(during) > 1 else worst / tpot,
             "newcomer_prompt_tokens": result.metrics.prompt_tokens, "newcomer_ttft_ms": result.metrics.ttft_ms}
 
 

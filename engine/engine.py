@@ -77,7 +77,7 @@ class Engine:
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_cache)
         self.scheduler = Scheduler(self.blocks, StepCost(pair_flops_ratio(mc)), max_num_seqs=cfg.max_num_seqs,
                                    chunk_size=cfg.chunk_size, step_budget=cfg.step_budget, kv_cache=cfg.kv_cache,
-                                   fast_rows=getattr(self.ops, "fast_rows", None))
+                                   fast_rows=self.ops.fast_rows)
         self.runner = ModelRunner(self.loaded.model, mc, self.device, self.dtype, num_blocks, cfg.block_size)
         self.settings = RuntimeSettings(cfg, notices, self.scheduler, self.blocks, self.speculative,
                                         self.precision)

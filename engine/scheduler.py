@@ -50,8 +50,13 @@ class StepPlan:
     failed: list[Sequence]   # requests that can never fit the pool (finish with an error)
     prompt_tokens: int = 0   # prompt tokens computed (prefill), and the query-key pairs they score
     prompt_pairs: int = 0
-    planned_s: float | None = None   # the step's predicted time, where a time budget sized it
     predicted_s: float = 0.0         # the cost model's guess of a step with prompt tokens (prefill progress)
+    timed: bool = False              # a time budget sized the step's prompt slices
+
+    @property
+    def planned_s(self) -> float | None:
+        """The step's predicted time where a time budget sized it (what the panel compares)."""
+        return self.predicted_s if self.timed else None
 
     @property
     def num_decode_tokens(self) -> int:
@@ -244,5 +249,5 @@ class _PlanBuilder:
             predicted = (self.cost.decode_s or 0.0) + sum(self.cost.prefill_seconds(i.start, i.num_tokens, beside)
                                                           for i in prompt)
         return StepPlan(self.items, self.failed, sum(i.num_tokens for i in prompt),
-                        sum(attention_pairs(i.start, i.num_tokens) for i in prompt),
-                        predicted if self.seconds is not None else None, predicted)
+                        sum(attention_pairs(i.start, i.num_tokens) for i in prompt), predicted,
+                        timed=self.seconds is not None and bool(prompt))

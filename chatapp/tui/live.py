@@ -111,7 +111,8 @@ class LiveReply:
         if self.layers:
             reported += self.step_tokens * self.layers_done / self.layers
         shown = reported
-        if self.phase == "prefill" and self.step_tokens and self.step_s > 0:
+        predicting = self.phase == "prefill" and self.step_tokens > 0 and self.step_s > 0
+        if predicting:
             to_next_report = 1 / self.layers if self.layers else 1.0      # a share of the step
             ahead = min((now - self.t_progress) / self.step_s, to_next_report)
             shown += self.step_tokens * max(0.0, ahead)
@@ -122,7 +123,7 @@ class LiveReply:
             rate = (reported - self.cached) / spent
             left = (self.total - reported) / rate - (now - self.t_progress)
             pace.update(prefill_tok_s=rate, prefill_left_ms=max(0.0, left * 1000))
-        elif self.phase == "prefill" and self.step_tokens and self.step_s > 0:
+        elif predicting:
             left = (self.total - shown) * self.step_s / self.step_tokens
             pace.update(prefill_left_ms=max(0.0, left * 1000))
         return pace

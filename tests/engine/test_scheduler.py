@@ -315,6 +315,8 @@ def test_a_time_budget_sizes_each_slice_to_fill_the_step_and_late_slices_are_sma
     assert min(sizes[:-1]) > MIN_SLICE
     assert sizes[0] > 1.8 * sizes[-2]        # attention over the longer context shrinks the slices
     assert sum(sizes) == 3000
+    after = sched.schedule()                 # decodes only: no slice was sized, nothing was planned
+    assert after.decode_only and after.planned_s is None
 
 
 def test_a_larger_budget_takes_larger_slices():
