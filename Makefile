@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 # e.g. `make run TORCH_SPEC=torch` or a CUDA index URL in PIP_EXTRA_INDEX_URL.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: run test venv clean mutation
+.PHONY: run test venv clean mutation gpu-check
 
 $(VENV)/.installed: pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "pdchat needs Python 3.11+")'
@@ -27,6 +27,12 @@ run: venv
 
 test: venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# On a machine with a CUDA GPU: the GPU tests and benchmarks, one report (build/gpu-check/report.md
+# and .json). Installs nothing: it runs under the Python that has torch and triton (GPU_PYTHON).
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+gpu-check:
+	$(GPU_PYTHON) tools/gpu_check.py --out build/gpu-check $(GPU_CHECK_ARGS)
 
 # Mutation testing of the critical modules (sampler, spec, block manager, scheduler, server errors):
 # tools/mutation.py stages a pdchat/ copy under build/mutation, runs mutmut with one worker and

@@ -78,9 +78,12 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, StepCost(pair_flops_ratio(mc)), max_num_seqs=cfg.max_num_seqs,
                                    chunk_size=cfg.chunk_size, step_budget=cfg.step_budget, kv_cache=cfg.kv_cache,
                                    fast_rows=self.ops.fast_rows)
-        self.runner = ModelRunner(self.loaded.model, mc, self.device, self.dtype, num_blocks, cfg.block_size)
+        self.runner = ModelRunner(self.loaded.model, mc, self.device, self.dtype, num_blocks, cfg.block_size,
+                                  self.max_model_len)
+        if self.device.type == "cuda" and self.ops.name == "triton":
+            self.runner.use_graphs(notices)
         self.settings = RuntimeSettings(cfg, notices, self.scheduler, self.blocks, self.speculative,
-                                        self.precision)
+                                        self.precision, self.runner)
         # Layer-by-layer prefill reports on a CPU only: a GPU queues the layers in microseconds.
         self.outputs = OutputProcessor(self.tokenizer, self.loaded.eos_token_ids, self.max_model_len,
                                        self.scheduler, self.blocks, self.speculative,

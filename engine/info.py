@@ -27,6 +27,15 @@ def _cpu_kernels() -> str:
     return f"C, int8 and int4 products on {cpu.int8_path(lib).title}"
 
 
+def gpu_info() -> dict[str, str]:
+    """The device line, and the GPU's name, memory and CUDA version where there is one."""
+    if not torch.cuda.is_available():
+        return {"device": "cpu (no CUDA GPU found)"}
+    props = torch.cuda.get_device_properties(0)
+    return {"device": f"cuda ({torch.cuda.device_count()} GPU)",
+            "gpu": f"{props.name}, {props.total_memory / 2**30:.1f} GiB, CUDA {torch.version.cuda}"}
+
+
 def info() -> dict[str, str]:
     out = {
         "pdchat": _version("pdchat"),
@@ -39,12 +48,7 @@ def info() -> dict[str, str]:
         "cpu threads": str(torch.get_num_threads()),
         "cpu kernels": _cpu_kernels(),
     }
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        out["device"] = f"cuda ({torch.cuda.device_count()} GPU)"
-        out["gpu"] = f"{props.name}, {props.total_memory / 2**30:.1f} GiB, CUDA {torch.version.cuda}"
-    else:
-        out["device"] = "cpu (no CUDA GPU found)"
+    out.update(gpu_info())
     out["data dir"] = str(paths.data_dir())
     out["config dir"] = str(paths.config_dir())
     out["cache dir"] = str(paths.cache_dir())

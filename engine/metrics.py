@@ -100,6 +100,7 @@ class EngineStats:
     device_mem_used: int | None = None
     device_mem_total: int | None = None
     device_power_w: float | None = None
+    sm_clock_mhz: float | None = None
     cpu_util_pct: float | None = None         # the whole machine, % of all its logical CPUs
     process_cpu_pct: float | None = None      # this process (all threads), on the same scale
     rss_bytes: int | None = None
@@ -117,9 +118,24 @@ class EngineStats:
     chunk_size: int | str | None = None     # "auto": sized by the step budget
     step_budget: float = 0.0
     max_num_seqs: int = 0
+    cuda_graphs: bool = True                 # the setting in force
+    # what decode steps get: "on", "off", "failed: why", or why no graphs exist here
+    graph_state: str = "off"
+    graph_replays: int = 0                   # decode steps run from a graph so far
+    graph_rows: int | None = None            # the last replay: the batch's rows ...
+    graph_size: int | None = None            # ... in the graph of this size (the rest padding)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def graphs_state(engine: "Engine") -> str:
+    graphs = getattr(engine.runner, "graphs", None)      # the runner is gone once closed
+    if graphs is not None:
+        return graphs.state
+    if not engine.config.cuda_graphs:
+        return "off"
+    return "n/a on cpu" if engine.device.type != "cuda" else f"n/a with the {engine.ops.name} kernels"
 
 
 class StepMeter:
@@ -162,12 +178,17 @@ def collect_stats(engine: "Engine") -> EngineStats:
         quant=cfg.quant, kernels=engine.ops.name,
         prefix_cache=cfg.prefix_cache, kv_cache=cfg.kv_cache, chunk_size=cfg.chunk_size, step_budget=cfg.step_budget,
         max_num_seqs=cfg.max_num_seqs, spec=cfg.spec, spec_tokens=cfg.spec_tokens,
-        achieved_bandwidth=meter.bandwidth,
+        achieved_bandwidth=meter.bandwidth, cuda_graphs=cfg.cuda_graphs,
+        graph_state=graphs_state(engine),
     )
+    graphs = getattr(engine.runner, "graphs", None)
+    if graphs is not None:
+        st.graph_replays = graphs.replays
+        st.graph_rows, st.graph_size = graphs.last or (None, None)
     if engine.monitor is not None:
         snap = engine.monitor.snapshot()
         for name in ("device_name", "device_util_pct", "device_mem_used", "device_mem_total",
-                     "device_power_w", "cpu_util_pct", "process_cpu_pct", "rss_bytes"):
+                     "device_power_w", "sm_clock_mhz", "cpu_util_pct", "process_cpu_pct", "rss_bytes"):
             setattr(st, name, getattr(snap, name))
         st.peak_bandwidth = peak_bandwidth(snap.device_name) if engine.device.type == "cuda" else None
     return st

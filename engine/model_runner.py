@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
+from .cuda_graphs import DecodeBuffers, DecodeGraphs, DecodeRows, Graph
 from .model import AttentionBatch, Transformer
 from .model_config import ModelConfig
 from .scheduler import ScheduledSeq
@@ -37,14 +38,45 @@ class StepLogits:
 
 class ModelRunner:
     def __init__(self, model: Transformer, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-                 num_blocks: int, block_size: int):
+                 num_blocks: int, block_size: int, max_model_len: int):
         self.model = model
         self.device = device
         self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.kv_heads = cfg.num_kv_heads
         shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.scale = cfg.head_dim ** -0.5
+        self.graphs: DecodeGraphs | None = None     # decode steps from CUDA graphs (use_graphs)
+        self.max_batch = 1                           # the batch limit the graphs are captured for
+
+    def use_graphs(self, notices: list[str], new_graph: Callable[[Any], Graph] | None = None) -> DecodeGraphs:
+        """Replay decode steps from CUDA graphs (the Triton kernels only: the others read host
+        lengths a replay cannot update). new_graph: a CPU double in tests."""
+        from pdchat.kernels.triton_attention import graph_decode_splits
+        blocks = -(-self.max_model_len // self.block_size)
+
+        def forward(b: DecodeBuffers) -> torch.Tensor:
+            rows = b.input_ids.shape[0]
+            batch = AttentionBatch(self.k_cache, self.v_cache, b.slot_mapping, b.block_tables, b.query_start_loc,
+                                   b.context_lens, [1] * rows, None, self.scale,
+                                   decode_splits=graph_decode_splits(rows, self.kv_heads, self.max_model_len,
+                                                                     self.device))
+            return self.model.logits(self.model(b.input_ids, b.positions, batch))
+
+        self.graphs = DecodeGraphs(forward, max_blocks=blocks, device=self.device, notices=notices,
+                                   new_graph=new_graph)
+        return self.graphs
+
+    def _weights_key(self) -> tuple[str, int]:
+        switch = self.model.quant_switch
+        return (switch.mode, switch.version) if switch is not None else ("none", 0)
+
+    def prepare_graphs(self) -> None:
+        """Capture now (at start, or when toggled on) rather than in the next decode step."""
+        if self.graphs is not None:
+            self.graphs.prepare(self.max_batch, self._weights_key())
 
     @property
     def kv_bytes_total(self) -> int:
@@ -55,6 +87,10 @@ class ModelRunner:
         """The step's one forward: each item's scheduled tokens, plus its draft tokens (by item
         index) when it verifies; logits for the last row of an item that samples, every row of a
         verify. on_layer follows the forward through the layers (Transformer.forward)."""
+        if not drafts and self.graphs is not None and all(i.num_tokens == 1 and i.samples for i in items):
+            logits = self._replay(items)
+            if logits is not None:
+                return StepLogits(logits, list(range(len(items) + 1)))
         work, rows = [], []
         for idx, item in enumerate(items):
             w = Work.of(item.seq, item.num_tokens)
@@ -68,6 +104,15 @@ class ModelRunner:
         for r in rows:
             starts.append(starts[-1] + len(r))
         return StepLogits(self.forward(work, rows, on_layer), starts)
+
+    def _replay(self, items: list[ScheduledSeq]) -> torch.Tensor | None:
+        bs = self.block_size
+        seqs = [item.seq for item in items]
+        positions = [s.num_computed_tokens for s in seqs]
+        rows = DecodeRows([s.token_ids[p] for s, p in zip(seqs, positions)], positions,
+                          [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)],
+                          [s.block_table for s in seqs], [p + 1 for p in positions])
+        return self.graphs.run(rows, self.max_batch, self._weights_key())
 
     @torch.inference_mode()
     def forward(self, items: list[Work], rows: list[list[int]],

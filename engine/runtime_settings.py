@@ -10,6 +10,7 @@ from typing import Any
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .errors import InvalidRequest
+from .model_runner import ModelRunner
 from .precision import WeightPrecision
 from .scheduler import Scheduler
 from .settings import RUNTIME as RUNTIME_SETTINGS
@@ -18,15 +19,18 @@ from .speculative import SpeculativeDecoder
 
 class RuntimeSettings:
     def __init__(self, config: EngineConfig, notices: list[str], scheduler: Scheduler,
-                 blocks: BlockManager, speculative: SpeculativeDecoder, precision: WeightPrecision):
+                 blocks: BlockManager, speculative: SpeculativeDecoder, precision: WeightPrecision,
+                 runner: ModelRunner):
         self.config = config
         self.notices = notices              # things a UI should tell the user once (take_notices)
         self._notices_taken = 0
         self.scheduler, self.blocks = scheduler, blocks
-        self.speculative, self.precision = speculative, precision
+        self.speculative, self.precision, self.runner = speculative, precision, runner
         self._set_quant(config.quant)
         self._set_spec(config.spec)
         speculative.weigh(not config.spec_always)
+        self._set_graphs()
+        runner.prepare_graphs()             # at start, so the first reply does not wait for captures
 
     def take_notices(self) -> list[str]:
         """The notices not taken yet, each once."""
@@ -57,6 +61,8 @@ class RuntimeSettings:
                 self._recheck_draft()
         if "spec" in changes:
             self._set_spec(cfg.spec)
+        if changes.keys() & {"cuda_graphs", "max_num_seqs"}:
+            self._set_graphs()              # captured again at the next decode step
         if changes.keys() & {"prefix_cache", "kv_cache", "quant"}:
             self.blocks.set_prefix_cache(cfg.prefix_cache and cfg.kv_cache)
 
@@ -71,6 +77,11 @@ class RuntimeSettings:
             said = self.precision.measured(requests, seconds)
             if said is not None:
                 self.notices.append(said)
+
+    def _set_graphs(self) -> None:
+        self.runner.max_batch = self.config.max_num_seqs
+        if self.runner.graphs is not None:
+            self.runner.graphs.set_enabled(self.config.cuda_graphs)
 
     def _set_quant(self, mode: str) -> None:
         self.config = replace(self.config, quant=self.precision.set(mode, self.notices))

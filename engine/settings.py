@@ -216,6 +216,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("kernels", ENGINE, str, "auto", group="model and device", choices=("auto", "torch", "triton", "cpu"),
             help="kernel backend: auto = Triton attention on CUDA, the C kernels for float32 on CPU; "
                  "torch = plain PyTorch ops"),
+    Setting("cuda_graphs", ENGINE, bool, True, runtime=True, toggle=True, group="optimizations",
+            label="CUDA graphs",
+            help="replay each decode step from a captured CUDA graph: one launch instead of hundreds "
+                 "(GPU with the Triton kernels; off = launch every kernel from Python)"),
     # More threads than CPUs only slows torch down, and enough of them abort the process (libgomp).
     Setting("threads", ENGINE, int, None, nullable=True, low=1, high=_CPUS, metavar="N", group="model and device",
             help="CPU threads for torch (default: torch's choice)"),

@@ -79,7 +79,8 @@ class SpeculativeDecoder:
             loaded = self._draft or self.target
             try:
                 self._runner = ModelRunner(loaded.model, loaded.config, self.precision.device,
-                                           self.precision.dtype, blocks.num_blocks, blocks.block_size)
+                                           self.precision.dtype, blocks.num_blocks, blocks.block_size,
+                                           loaded.config.max_position)
             except torch.OutOfMemoryError:
                 # The pool was sized without a draft; at start-up it is sized for both.
                 raise InvalidRequest("not enough memory for the draft's KV cache now; "

@@ -1,7 +1,8 @@
 """Kernels of one transformer forward over the paged KV cache, in three backends.
 
 `reference` holds the pure-PyTorch versions: they define the semantics, run anywhere, and are the
-oracle for the others. `triton_attention` replaces the attention ops on GPUs; `cpu` (C, built on
+oracle for the others. `triton_attention` replaces the attention ops on GPUs and `triton_layers`
+the norms, rope and the MLP's activation; `cpu` (C, built on
 first use) replaces all of them for small batches on CPUs. Triton and the C build are optional, so
 both are imported only when asked for.
 """
@@ -41,18 +42,20 @@ def load(name: str, cache_dir: Path | None = None) -> SimpleNamespace:
     Raises ImportError (no Triton) or cpu.KernelsUnavailable (no compiler, failed build)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown kernel backend {name!r} ({', '.join(BACKENDS)})")
-    own: object = None
+    own: list[object] = []
     if name == "triton":
-        from . import triton_attention as own
+        from . import triton_attention, triton_layers
+        own = [triton_attention, triton_layers]
     elif name == "cpu":
         from . import cpu
         if cache_dir is None:
             raise ValueError("the cpu backend needs a cache folder for its build")
-        own = cpu.CpuKernels(cpu.library(cache_dir))
-    ops = {op: getattr(own, op, None) or getattr(reference, op) for op in OPS}
+        own = [cpu.CpuKernels(cpu.library(cache_dir))]
+    ops = {op: next((getattr(o, op) for o in own if hasattr(o, op)), getattr(reference, op)) for op in OPS}
     # The most rows a forward takes on the backend's fast path (None: no such edge): past it a
     # step costs more than its rows say, so the scheduler's time budget keeps slices within it.
-    return SimpleNamespace(name=name, fast_rows=getattr(own, "FAST_ROWS", None), **ops)
+    fast_rows = next((o.FAST_ROWS for o in own if hasattr(o, "FAST_ROWS")), None)
+    return SimpleNamespace(name=name, fast_rows=fast_rows, **ops)
 
 
 __all__ = ["BACKENDS", "OPS", "choose", "load", "paged_attention", "store_kv"]

@@ -293,6 +293,12 @@ def decode_splits(num_seqs: int, kv_heads: int, max_context: int, sm_count: int)
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
 
+def graph_decode_splits(num_seqs: int, kv_heads: int, max_context: int, device: torch.device) -> int:
+    """The split count for a decode batch captured once and replayed at any context length up to
+    max_context: what the longest context would use (a short one leaves the extra parts empty)."""
+    return decode_splits(num_seqs, kv_heads, max_context, _sm_count(device))
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
@@ -357,8 +363,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     context_lens: torch.Tensor, scale: float, *,
                     query_lens_host: list[int] | None = None,
-                    context_lens_host: list[int] | None = None) -> torch.Tensor:
-    """q: [T, H, D] -> out [T, H, D]. The *_host lists, when given, spare a device->host copy."""
+                    context_lens_host: list[int] | None = None,
+                    num_splits: int | None = None) -> torch.Tensor:
+    """q: [T, H, D] -> out [T, H, D]. The *_host lists, when given, spare a device->host copy.
+
+    num_splits: a decode-only batch whose context split count the caller fixed (a CUDA graph
+    cannot read lengths on the host, and any count is exact); no host list is read then."""
+    if num_splits is not None:
+        if num_splits > 1:
+            return paged_attention_split_k(q, k_cache, v_cache, block_tables, query_start_loc,
+                                           context_lens, scale, num_splits)
+        return paged_attention_varlen(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, 1)
     if query_lens_host is not None:
         max_query_len = max(query_lens_host)
     else:

@@ -1,7 +1,16 @@
 """Shared fixtures. Engines on random: models are cheap; the default model is loaded once."""
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter (kernel tests at toy sizes, and the
+# decode-graph tests). It must be set before any kernel module is imported: @triton.jit reads it
+# at decoration.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -60,7 +60,10 @@ class LocalBackend(Backend):
 
     @property
     def capabilities(self) -> dict[str, bool]:
-        return {c: True for c in CAPABILITIES}
+        caps = {c: True for c in CAPABILITIES}
+        # CUDA graphs exist on a GPU only; before the engine loads the device is not known yet.
+        caps["cuda_graphs"] = self.engine is not None and self.engine.device.type == "cuda"
+        return caps
 
     def run_lab(self, progress, quick: bool = False) -> dict[str, Any]:
         from pdchat.bench import run_suite

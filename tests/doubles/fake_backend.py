@@ -187,6 +187,7 @@ class FakeBackend(Backend):
         self.loaded = False
         self._reply_i = 0
         self._caps = {c: c not in ("quant", "lab") for c in CAPABILITIES}
+        self._caps["cuda_graphs"] = gpu          # as the local backend: GPU only
         self._caps.update(capabilities or {})
 
     def load(self, progress) -> None:
@@ -259,7 +260,9 @@ class FakeBackend(Backend):
         if self.gpu:
             s.update(device="cuda:0", device_name="NVIDIA H100 80GB HBM3", device_util_pct=87.0,
                      device_mem_used=int(12.5 * GB), device_mem_total=80 * GB, device_power_w=312.0,
-                     rss_bytes=2 * GB)
+                     sm_clock_mhz=1980.0, rss_bytes=2 * GB, cuda_graphs=self.toggles["cuda_graphs"],
+                     graph_state="on" if self.toggles["cuda_graphs"] else "off",
+                     graph_rows=self.running or None, graph_size=self.running or None)
         else:
             s.update(device="cpu", device_name=None, device_util_pct=None, device_mem_used=None,
                      device_mem_total=None, device_power_w=None, rss_bytes=812 * MB)

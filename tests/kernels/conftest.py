@@ -1,17 +1,10 @@
-"""Kernel tests run Triton's interpreter on CPU when there is no GPU (toy sizes, see the tests).
-
-The switch must be set before any kernel module is imported: @triton.jit reads it at decoration.
+"""Kernel tests run Triton's interpreter on CPU when there is no GPU (toy sizes, see the tests;
+tests/conftest.py sets the switch).
 
 The C kernels are tested in every variant this CPU can run; the summary at the end of the run
 says which variants were built and tested here and why the others were not.
 """
-import os
-
 import pytest
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _outcome: dict[str, str] = {}
 

@@ -154,7 +154,22 @@ def batch_text(s: dict) -> Text:
         # the last prompt slice beside running streams: what the step budget planned, what it took
         t.append(f"\n{'sliced step':<13}", style="dim")
         t.append(f"{fmt.ms(s['sliced_step_ms'])} (planned {fmt.ms(s.get('sliced_step_planned_ms'))})")
+    if (s.get("device") or "").startswith("cuda"):
+        t.append(f"\n{'decode':<13}", style="dim")
+        t.append(graph_words(s))
     return t
+
+
+def graph_words(s: dict) -> str:
+    """How decode steps launch on a GPU: replayed from a CUDA graph (the last batch's rows in the
+    graph's padded size) or op by op."""
+    state = s.get("graph_state") or "off"
+    if state != "on":
+        return f"eager (CUDA graphs {state})"
+    rows, size = s.get("graph_rows"), s.get("graph_size")
+    if rows is None:
+        return "CUDA graphs ready"
+    return f"graph, {rows} rows" + (f" in {size}" if size != rows else "")
 
 def spec_text(last: dict | None, caps: dict, toggles: dict) -> Text:
     t = Text()
@@ -220,6 +235,8 @@ class DeviceSection:
             memory_rows(t, s, host=False)
             p = s.get("device_power_w")
             row(t, "power", fmt.NA if p is None else f"{p:,.0f} W")
+            clock = s.get("sm_clock_mhz")
+            row(t, "SM clock", fmt.NA if clock is None else f"{clock:,.0f} MHz")
             row(t, "machine CPU", fmt.pct(machine))
         row(t, "pdchat CPU", fmt.NA if own is None else f"{fmt.pct(own)} of machine")
         row(t, "pdchat RSS", fmt.size(s.get("rss_bytes")))

@@ -1,0 +1,201 @@
+"""Decode steps replayed from CUDA graphs.
+
+A decode step of a small model on a GPU is bound by kernel launches, not by the GPU: a 30-layer
+forward is some 300 launches of a few microseconds each, while its arithmetic takes less. A CUDA
+graph records one step's launches once and replays them with one call. A graph needs fixed
+shapes and fixed addresses, so:
+- a ladder of batch sizes is captured (1, 2, 4, 8, 16, then every 16 up to the batch limit), and a
+  batch runs in the graph of the next size up, its extra rows padding (slot -1 stores nothing,
+  context 0 attends to nothing);
+- the inputs live in static buffers that a step copies into before the replay, and the logits
+  come out in the graph's own output tensor (valid until the next replay);
+- attention's context split count is fixed per size (what the longest context would use), and
+  the graphs are captured again when the weights change (quantization) or the batch limit grows.
+A capture that fails leaves the engine decoding eagerly, with a notice.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Protocol
+
+import torch
+
+LADDER_STEP = 16      # past 16 rows, sizes every 16: padding wastes at most 15 rows
+
+
+def ladder(max_batch: int) -> list[int]:
+    """The batch sizes captured for a batch limit: 1, 2, 4, 8, 16, 32, 48, ... and the limit."""
+    small = [s for s in (1, 2, 4, 8) if s < max_batch]
+    return small + list(range(LADDER_STEP, max_batch, LADDER_STEP)) + [max_batch]
+
+
+def padded_size(sizes: list[int], rows: int) -> int | None:
+    """The smallest captured size that holds `rows` (None: more rows than any graph takes)."""
+    i = bisect.bisect_left(sizes, rows)
+    return sizes[i] if i < len(sizes) else None
+
+
+class Graph(Protocol):
+    """What DecodeGraphs needs of a graph: record a function once, run its record again."""
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor: ...
+
+    def replay(self) -> None: ...
+
+
+class CudaGraph:
+    """torch.cuda.CUDAGraph; every graph of a DecodeGraphs shares one memory pool."""
+
+    def __init__(self, pool: Any):
+        self._graph = torch.cuda.CUDAGraph()
+        self._pool = pool
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()     # warm-up outside the capture: Triton compiles, cuBLAS picks kernels, the allocator grows
+        torch.cuda.current_stream().wait_stream(side)
+        # thread_local: the UI or telemetry threads may touch CUDA while the step thread captures
+        with torch.cuda.graph(self._graph, pool=self._pool, capture_error_mode="thread_local"):
+            out = fn()
+        return out
+
+    def replay(self) -> None:
+        self._graph.replay()
+
+
+@dataclass
+class DecodeBuffers:
+    """A decode step's inputs at fixed addresses (rows = the largest captured batch)."""
+    input_ids: torch.Tensor       # [rows] int64
+    positions: torch.Tensor       # [rows] int64
+    slot_mapping: torch.Tensor    # [rows] int64, -1 = padding
+    block_tables: torch.Tensor    # [rows, max_blocks] int32
+    query_start_loc: torch.Tensor  # [rows + 1] int32: one query token per row, fixed
+    context_lens: torch.Tensor    # [rows] int32, 0 = padding
+
+    @classmethod
+    def allocate(cls, rows: int, max_blocks: int, device: torch.device) -> "DecodeBuffers":
+        def ints(*shape: int, dtype: torch.dtype = torch.long, fill: int = 0) -> torch.Tensor:
+            return torch.full(shape, fill, dtype=dtype, device=device)
+        # Every row starts as padding, so the warm-up and capture runs store no K/V anywhere.
+        return cls(ints(rows), ints(rows), ints(rows, fill=-1), ints(rows, max_blocks, dtype=torch.int32),
+                   torch.arange(rows + 1, dtype=torch.int32, device=device), ints(rows, dtype=torch.int32))
+
+    def first(self, rows: int) -> "DecodeBuffers":
+        """Views of the first `rows` rows (same addresses: what a graph of that size reads)."""
+        return DecodeBuffers(**{f.name: getattr(self, f.name)[:rows + (f.name == "query_start_loc")]
+                                for f in fields(self)})
+
+
+@dataclass
+class DecodeRows:
+    """One decode step's rows as the host knows them."""
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    block_tables: list[list[int]]
+    context_lens: list[int]
+
+
+class DecodeGraphs:
+    """The captured ladder and its replays. `forward(buffers)` is the runner's decode forward over
+    static buffers (logits for every row); `new_graph(pool)` makes one graph (tests pass a CPU
+    double that re-runs the function on replay)."""
+
+    def __init__(self, forward: Callable[[DecodeBuffers], torch.Tensor], *, max_blocks: int,
+                 device: torch.device, notices: list[str],
+                 new_graph: Callable[[Any], Graph] | None = None):
+        self._forward = forward
+        self._max_blocks = max_blocks
+        self._device = device
+        self._notices = notices
+        self._new_graph = new_graph or CudaGraph
+        self.enabled = True
+        self.failed: str | None = None        # why capture failed: decoding stays eager until toggled again
+        self.sizes: list[int] = []
+        self._graphs: dict[int, tuple[Graph, torch.Tensor]] = {}
+        self._key: Any = None
+        self._buffers: DecodeBuffers | None = None
+        self.replays = 0                      # decode steps run from a graph
+        self.last: tuple[int, int] | None = None   # the last replay's (rows, padded size)
+
+    def set_enabled(self, on: bool) -> None:
+        self.enabled = on
+        if on:
+            self.failed = None               # toggling on tries the capture again
+        else:
+            self._release()
+
+    @property
+    def state(self) -> str:
+        """'on', 'off' or 'failed: why', for the stats."""
+        if self.failed:
+            return f"failed: {self.failed}"
+        return "on" if self.enabled else "off"
+
+    @torch.inference_mode()
+    def prepare(self, max_batch: int, key: Any) -> bool:
+        """Have graphs for batches up to max_batch of the weights `key`; capture them if not.
+        False (and a notice, once) when capture fails."""
+        if not self.enabled or self.failed:
+            return False
+        if self._key == (max_batch, key):
+            return True
+        self._release()
+        try:
+            self._capture(max_batch)
+        except Exception as e:            # any capture failure: decoding stays correct, only eager
+            self._release()
+            self.failed = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+            self._notices.append(f"CUDA graphs could not be captured ({self.failed}); decoding eagerly")
+            return False
+        self._key = (max_batch, key)
+        return True
+
+    def _capture(self, max_batch: int) -> None:
+        pool = torch.cuda.graph_pool_handle() if self._device.type == "cuda" else None
+        self._buffers = buffers = DecodeBuffers.allocate(max_batch, self._max_blocks, self._device)
+        self.sizes = ladder(max_batch)
+        for size in reversed(self.sizes):          # largest first: the smaller ones reuse its pool
+            graph = self._new_graph(pool)
+            view = buffers.first(size)
+            self._graphs[size] = (graph, graph.capture(lambda v=view: self._forward(v)))
+
+    def _release(self) -> None:
+        self._graphs, self._buffers, self._key, self.sizes = {}, None, None, []
+
+    @torch.inference_mode()
+    def run(self, rows: DecodeRows, max_batch: int, key: Any) -> torch.Tensor | None:
+        """The step's logits [rows, vocab] from a graph replay (a view of the graph's output, valid
+        until the next replay); None when no graph takes the batch (then the step runs eagerly)."""
+        n = len(rows.input_ids)
+        if not self.prepare(max_batch, key):
+            return None
+        size = padded_size(self.sizes, n)
+        if size is None or max(len(t) for t in rows.block_tables) > self._max_blocks:
+            return None
+        self._fill(rows, size)
+        graph, out = self._graphs[size]
+        graph.replay()
+        self.replays += 1
+        self.last = (n, size)
+        return out[:n]
+
+    def _fill(self, rows: DecodeRows, size: int) -> None:
+        b, n = self._buffers, len(rows.input_ids)
+        pad = size - n
+        host = torch.tensor([rows.input_ids + [0] * pad, rows.positions + [0] * pad, rows.slots + [-1] * pad,
+                             rows.context_lens + [0] * pad], dtype=torch.long)
+        b.input_ids[:size].copy_(host[0], non_blocking=True)
+        b.positions[:size].copy_(host[1], non_blocking=True)
+        b.slot_mapping[:size].copy_(host[2], non_blocking=True)
+        b.context_lens[:size].copy_(host[3], non_blocking=True)
+        width = max(len(t) for t in rows.block_tables)
+        tables = torch.zeros(n, width, dtype=torch.int32)
+        for i, table in enumerate(rows.block_tables):
+            tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        # Entries past a row's context are never read, so stale ones beyond `width` may stay.
+        b.block_tables[:n, :width].copy_(tables, non_blocking=True)

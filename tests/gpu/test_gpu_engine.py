@@ -1,0 +1,94 @@
+"""The engine on a CUDA GPU: the Triton path against PyTorch's on random weights of real shapes,
+CUDA graphs against eager decoding, int4 weights, and live NVML telemetry. Skipped without a GPU
+(`make gpu-check` runs them where there is one)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from pdchat.engine import Engine, SamplingParams
+from tests.greedy import disagreements
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (make gpu-check)")
+
+SHAPES = ["random:smollm2-135m", "random:qwen2.5-0.5b"]
+PROMPT = "Explain why the sky is blue, in three sentences."
+TOKENS = 24
+# bf16 rounds to 3 significant digits; two correct paths differ by a few of its steps in a logit
+TIE = 0.25
+LOGIT_REL = 2e-2
+
+
+def engine(model: str, **kw) -> Engine:
+    return Engine(model=model, device="cuda", dtype="bfloat16", telemetry=False, kv_cache_mb=512, **kw)
+
+
+def greedy(e: Engine, prompt: list[int]) -> list[int]:
+    return e.submit(prompt, SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)).result().token_ids
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.parametrize("model", SHAPES)
+def test_triton_path_matches_the_pytorch_path(model: str) -> None:
+    fast, ref = engine(model), engine(model, kernels="torch")
+    try:
+        assert fast.ops.name == "triton" and fast.stats().graph_state == "on"
+        prompt = fast.encode(PROMPT)
+        tokens = greedy(fast, prompt)
+        ids = prompt + tokens
+        ref_logits = ref.prompt_logits(ids)
+        assert disagreements(prompt, tokens, ref_logits, TIE) == []
+        assert relative(fast.prompt_logits(ids), ref_logits) < LOGIT_REL
+        assert greedy(ref, prompt)[:4] == tokens[:4]          # no near-tie this early on these weights
+    finally:
+        fast.close()
+        ref.close()
+
+
+@pytest.mark.parametrize("model", SHAPES)
+def test_graph_decoding_matches_eager_decoding(model: str) -> None:
+    e = engine(model)
+    try:
+        prompts = [e.encode(PROMPT), e.encode("hi"), e.encode("a somewhat longer prompt " * 20)]
+        done = e.generate(prompts, SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True))
+        assert e.stats().graph_replays >= TOKENS - 1
+        for prompt, c in zip(prompts, done):
+            assert disagreements(prompt, c.token_ids, e.prompt_logits(prompt + c.token_ids), TIE) == []
+    finally:
+        e.close()
+
+
+def test_int4_weights_decode_on_the_gpu() -> None:
+    e = engine("random:smollm2-135m", quant="int4")
+    try:
+        assert e.config.quant == "int4"
+        c = e.submit(e.encode(PROMPT), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)).result()
+        assert c.error is None and len(c.token_ids) == 8
+    finally:
+        e.close()
+
+
+def test_nvml_telemetry_is_live() -> None:
+    e = Engine(model="random:smollm2-135m", device="cuda", telemetry=True, kv_cache_mb=512)
+    try:
+        e.submit(e.encode(PROMPT), SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)).result()
+        time.sleep(0.6)                       # a couple of sampling intervals
+        s = e.stats()
+        assert s.device_name == torch.cuda.get_device_name(0)
+        assert s.device_mem_total and s.device_mem_used and 0 < s.device_mem_used <= s.device_mem_total
+        assert s.device_util_pct is not None and 0 <= s.device_util_pct <= 100
+        assert s.device_power_w and s.device_power_w > 10
+        assert s.sm_clock_mhz and s.sm_clock_mhz > 100
+    finally:
+        e.close()
+
+
+def test_info_names_the_gpu() -> None:
+    from pdchat.engine.info import gpu_info
+    got = gpu_info()
+    assert got["device"].startswith("cuda (") and torch.cuda.get_device_name(0) in got["gpu"]
