@@ -84,6 +84,22 @@ def _hf_decode(hf: Any, prompt: list[int], tokens: int, repeats: int) -> tuple[f
     return best
 
 
+def replay_ms(engine: Engine, repeats: int = 200) -> float | None:
+    """The device's time for one batch-1 decode step alone: the captured graph replayed on the
+    last step's inputs (its K/V written again to the same slot), timed with CUDA events."""
+    graphs = engine.runner.graphs
+    if graphs is None or 1 not in graphs.sizes:
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graphs.replay(1)
+    start.record()
+    for _ in range(repeats):
+        graphs.replay(1)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
 def shape_row(model: str, config: EngineConfig, bandwidth: float, quick: bool, progress: Progress,
               at: float) -> dict[str, Any]:
     """One model shape: decode with and without graphs, HF, roofline, the prefill/decode claim."""
@@ -96,6 +112,7 @@ def shape_row(model: str, config: EngineConfig, bandwidth: float, quick: bool, p
         _decode(engine, prompt, 8, 1)                              # warm-up: compiles, captures
         progress(f"{model}: decode, graphs on", at)
         graphs, _ = _decode(engine, prompt, tokens, repeats)
+        gpu_ms = replay_ms(engine)
         _, ttft_1k = _decode(engine, long, 2, repeats)
         engine.update(cuda_graphs=False)
         _decode(engine, prompt, 8, 1)
@@ -123,6 +140,9 @@ def shape_row(model: str, config: EngineConfig, bandwidth: float, quick: bool, p
                 "decode_tok_s": graphs, "eager_tok_s": eager, "graphs_speedup": ratio(graphs, eager),
                 "hf_tok_s": hf_rate, "vs_hf": ratio(graphs, hf_rate), "hf_cache": hf_cache,
                 "bytes_per_token": int(per_token), "roofline": per_token * graphs / bandwidth,
+                # the step's device time alone, and what the engine's host work adds to it
+                "gpu_ms": gpu_ms, "host_ms": None if gpu_ms is None else 1000 / graphs - gpu_ms,
+                "gpu_roofline": None if not gpu_ms else per_token / (gpu_ms / 1000) / bandwidth,
                 "ttft_1k_ms": ttft_1k, "prefill_in_decode_steps": ttft_1k / (1000 / graphs),
                 "graphs": state, **quantized}
     finally:

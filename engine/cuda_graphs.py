@@ -11,11 +11,14 @@ shapes and fixed addresses, so:
   come out in the graph's own output tensor (valid until the next replay);
 - attention's context split count is fixed per size (what the longest context would use), and
   the graphs are captured again when the weights change (quantization) or the batch limit grows.
-A capture that fails leaves the engine decoding eagerly, with a notice.
+A capture that fails leaves the engine decoding eagerly, with a notice. Steps with prompt tokens
+still run op by op; what that costs beyond a replay is measured at capture, for the scheduler's
+time budget (StepCost.fixed).
 """
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Protocol
 
@@ -119,7 +122,9 @@ class DecodeGraphs:
         self._graphs: dict[int, tuple[Graph, torch.Tensor]] = {}
         self._key: Any = None
         self._buffers: DecodeBuffers | None = None
+        self._tables: list[list[int]] | None = None   # the block tables the buffers hold
         self.replays = 0                      # decode steps run from a graph
+        self.eager_extra_s = 0.0              # measured at capture: see mixed_step_extra
         self.last: tuple[int, int] | None = None   # the last replay's (rows, padded size)
 
     def set_enabled(self, on: bool) -> None:
@@ -153,7 +158,32 @@ class DecodeGraphs:
             self._notices.append(f"CUDA graphs could not be captured ({self.failed}); decoding eagerly")
             return False
         self._key = (max_batch, key)
+        self.eager_extra_s = self._eager_extra()
         return True
+
+    def mixed_step_extra(self) -> float:
+        """Seconds a step that runs op by op (one with prompt tokens) costs beyond a replayed
+        decode step: the launches the graphs save (0 while there are none)."""
+        return self.eager_extra_s if self._key is not None else 0.0
+
+    def _eager_extra(self, repeats: int = 3) -> float:
+        """A one-row forward op by op minus its graph's replay (all-padding rows: nothing stored)."""
+        view, graph = self._buffers.first(1), self._graphs[1][0]
+
+        def seconds(fn: Callable[[], Any]) -> float:
+            fn()
+            self._sync()
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                fn()
+            self._sync()
+            return (time.perf_counter() - t0) / repeats
+
+        return max(0.0, seconds(lambda: self._forward(view)) - seconds(graph.replay))
+
+    def _sync(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
 
     def _capture(self, max_batch: int) -> None:
         pool = torch.cuda.graph_pool_handle() if self._device.type == "cuda" else None
@@ -165,7 +195,7 @@ class DecodeGraphs:
             self._graphs[size] = (graph, graph.capture(lambda v=view: self._forward(v)))
 
     def _release(self) -> None:
-        self._graphs, self._buffers, self._key, self.sizes = {}, None, None, []
+        self._graphs, self._buffers, self._key, self.sizes, self._tables = {}, None, None, [], None
 
     @torch.inference_mode()
     def run(self, rows: DecodeRows, max_batch: int, key: Any) -> torch.Tensor | None:
@@ -184,18 +214,26 @@ class DecodeGraphs:
         self.last = (n, size)
         return out[:n]
 
+    def replay(self, size: int) -> None:
+        """Replay the graph of `size` on its buffers as they stand (to time the device's share
+        of a decode step alone)."""
+        self._graphs[size][0].replay()
+
     def _fill(self, rows: DecodeRows, size: int) -> None:
         b, n = self._buffers, len(rows.input_ids)
         pad = size - n
         host = torch.tensor([rows.input_ids + [0] * pad, rows.positions + [0] * pad, rows.slots + [-1] * pad,
                              rows.context_lens + [0] * pad], dtype=torch.long)
-        b.input_ids[:size].copy_(host[0], non_blocking=True)
-        b.positions[:size].copy_(host[1], non_blocking=True)
-        b.slot_mapping[:size].copy_(host[2], non_blocking=True)
-        b.context_lens[:size].copy_(host[3], non_blocking=True)
-        width = max(len(t) for t in rows.block_tables)
-        tables = torch.zeros(n, width, dtype=torch.int32)
-        for i, table in enumerate(rows.block_tables):
-            tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
-        # Entries past a row's context are never read, so stale ones beyond `width` may stay.
-        b.block_tables[:n, :width].copy_(tables, non_blocking=True)
+        b.input_ids[:size].copy_(host[0])
+        b.positions[:size].copy_(host[1])
+        b.slot_mapping[:size].copy_(host[2])
+        b.context_lens[:size].copy_(host[3])
+        # A row's table changes once per block_size tokens: copy only when some row's did.
+        if rows.block_tables != self._tables:
+            width = max(len(t) for t in rows.block_tables)
+            tables = torch.zeros(n, width, dtype=torch.int32)
+            for i, table in enumerate(rows.block_tables):
+                tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+            # Entries past a row's context are never read, so stale ones beyond `width` may stay.
+            b.block_tables[:n, :width].copy_(tables)
+            self._tables = [list(t) for t in rows.block_tables]

@@ -81,7 +81,7 @@ class Engine:
         self.runner = ModelRunner(self.loaded.model, mc, self.device, self.dtype, num_blocks, cfg.block_size,
                                   self.max_model_len)
         if self.device.type == "cuda" and self.ops.name == "triton":
-            self.runner.use_graphs(notices)
+            self.scheduler.cost.fixed = self.runner.use_graphs(notices).mixed_step_extra
         self.settings = RuntimeSettings(cfg, notices, self.scheduler, self.blocks, self.speculative,
                                         self.precision, self.runner)
         # Layer-by-layer prefill reports on a CPU only: a GPU queues the layers in microseconds.
@@ -213,8 +213,10 @@ class Engine:
         if not plain:
             return {}
         seqs = [plan.items[i].seq for i in plain]
-        tokens = sample(out.logits[[out.starts[i] for i in plain]], [s.params for s in seqs],
-                        [s.generator or self._generator for s in seqs]).tolist()
+        rows = [out.starts[i] for i in plain]
+        # a decode step's logits are already those rows, in order: no copy
+        logits = out.logits if rows == list(range(out.logits.shape[0])) else out.logits[rows]
+        tokens = sample(logits, [s.params for s in seqs], [s.generator or self._generator for s in seqs]).tolist()
         return {idx: [t] for idx, t in zip(plain, tokens) if t != NO_TOKEN}
 
     # ---- runtime settings -----------------------------------------------------------------

@@ -127,7 +127,7 @@ class Scheduler:
             return _PlanBuilder(self.chunk_size, None, self.cost)
         if self.cost.decode_s is None:
             return _PlanBuilder(FIRST_SLICE, None, self.cost)
-        return _PlanBuilder(None, (self.step_budget - 1) * self.cost.decode_s, self.cost, self.fast_rows)
+        return _PlanBuilder(None, self.cost.prompt_seconds(self.step_budget), self.cost, self.fast_rows)
 
     def _schedule_running(self, step: "_PlanBuilder") -> None:
         for seq in sorted(self.running, key=lambda s: s.num_uncomputed > 1):
@@ -246,8 +246,8 @@ class _PlanBuilder:
         predicted = 0.0
         if prompt:
             beside = len(prompt) < len(self.items)
-            predicted = (self.cost.decode_s or 0.0) + sum(self.cost.prefill_seconds(i.start, i.num_tokens, beside)
-                                                          for i in prompt)
+            predicted = self.cost.step_seconds(sum(self.cost.prefill_seconds(i.start, i.num_tokens, beside)
+                                                   for i in prompt))
         return StepPlan(self.items, self.failed, sum(i.num_tokens for i in prompt),
                         sum(attention_pairs(i.start, i.num_tokens) for i in prompt), predicted,
                         timed=self.seconds is not None and bool(prompt))

@@ -48,6 +48,7 @@ class Setting:
     metavar: str | None = None
     label: str = ""                # short name for the panel; default: the name in words
     chat: bool = True              # a SAMPLING setting the chat app keeps per conversation
+    gpu_only: bool = False         # a GPU's alone: the toggles panel leaves it out where it cannot apply
 
     @property
     def title(self) -> str:
@@ -216,7 +217,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("kernels", ENGINE, str, "auto", group="model and device", choices=("auto", "torch", "triton", "cpu"),
             help="kernel backend: auto = Triton attention on CUDA, the C kernels for float32 on CPU; "
                  "torch = plain PyTorch ops"),
-    Setting("cuda_graphs", ENGINE, bool, True, runtime=True, toggle=True, group="optimizations",
+    Setting("cuda_graphs", ENGINE, bool, True, runtime=True, toggle=True, gpu_only=True, group="optimizations",
             label="CUDA graphs",
             help="replay each decode step from a captured CUDA graph: one launch instead of hundreds "
                  "(GPU with the Triton kernels; off = launch every kernel from Python)"),

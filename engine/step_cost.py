@@ -18,7 +18,14 @@ paths at different efficiency (a CPU: a slice of up to 40 rows as one C call; a 
 BLAS and flash attention, half the cost per token): one fit of both sized the first slices after a
 long lone prompt twice too large.
 
-There is no separate fixed cost of a step with a prompt slice: the slices the budget picks are
+One fixed cost is known rather than fitted: where decode steps replay a CUDA graph while steps
+with prompt tokens run op by op (a GPU), the latter pay the launches the graph saves, about ten
+decode steps of a small model; the graphs measure it when they are captured (`fixed_s`). Where
+that alone exceeds the budget the stall is paid anyway, so a slice may cost as much again: a few
+such stalls instead of one per 16 tokens (measured on an H200: a 1,055-token newcomer waited
+2.7 s behind 16-token slices, 20 ms unchunked).
+
+Beyond that there is no separate fixed cost of a step with a prompt slice: the slices the budget picks are
 mostly alike, so a fixed part and a per-token part cannot be told apart from them, and a wrong
 split made the slices ever smaller (measured: a fitted 40 ms fixed part where a direct timing
 showed under 10). A real fixed part shows up as a per-token cost a little too high for small
@@ -27,7 +34,7 @@ slices: predictions err towards shorter steps.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from .model_config import ModelConfig
@@ -56,6 +63,9 @@ class StepCost:
     def __init__(self, pair_ratio: float):
         self.pair_ratio = pair_ratio
         self.decode_s: float | None = None          # a decode-only step, recent average
+        # What a step with prompt tokens costs beyond a decode step whatever its tokens (seconds;
+        # the engine wires in the CUDA graphs' measurement, else none)
+        self.fixed: Callable[[], float] = lambda: 0.0
         self._beside = _Fit(pair_ratio)             # prompt slices in steps with decodes
         self._alone = _Fit(pair_ratio)              # prompt work in steps without
 
@@ -67,7 +77,18 @@ class StepCost:
         """A step computed `tokens` prompt tokens scoring `pairs` query-key pairs (beside decodes
         when `decoded`) in `seconds`."""
         if tokens > 0:
-            (self._beside if decoded else self._alone).add(tokens, pairs, max(seconds - (self.decode_s or 0.0), 0.0))
+            work = seconds - (self.decode_s or 0.0) - self.fixed()
+            (self._beside if decoded else self._alone).add(tokens, pairs, max(work, 0.0))
+
+    def prompt_seconds(self, step_budget: float) -> float:
+        """Seconds of prompt work a step beside decodes may take: the budget's share past its
+        decode step and the fixed cost, or the fixed cost again where that alone exceeds it."""
+        fixed = self.fixed()
+        return max((step_budget - 1) * (self.decode_s or 0.0) - fixed, fixed)
+
+    def step_seconds(self, prefill_s: float) -> float:
+        """A step's predicted time: its decode step, the fixed cost and `prefill_s` of prompt work."""
+        return (self.decode_s or 0.0) + self.fixed() + prefill_s
 
     def coefficients(self, decoded: bool = True) -> tuple[float, float]:
         """(seconds per prompt token, seconds per query-key pair), beside decodes or alone."""

@@ -46,6 +46,8 @@ def palette_commands(app: "PdchatApp") -> Iterable[SystemCommand]:
                             lambda c=conv.id: app.call_later(chat.open_conversation, c))
     caps = app.backend.capabilities
     for s in TOGGLES:
+        if s.gpu_only and not caps.get(s.name):          # a GPU's own, and this backend has none
+            continue
         available = "" if caps.get(s.name) else " (unavailable in this engine)"
         if s.kind is bool or any(v is None for _, v in s.words):      # on/off
             yield SystemCommand(f"Toggle {s.title}", s.help + available, lambda n=s.name: app.flip(n))

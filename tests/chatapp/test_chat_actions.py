@@ -291,7 +291,8 @@ async def test_gpu_device_panel(make_app):
         await pilot.pause(0.3)
         text = panel_text(app, "device")
         assert "NVIDIA H100 80GB HBM3" in text and "GPU util     87%" in text
-        assert "12.5 GB / 80.0 GB" in text and "312 W" in text
+        assert "12.5 GB / 80.0 GB" in text and "312 W" in text and "SM clock     1,980 MHz" in text
+        assert "decode       CUDA graphs ready" in panel_text(app, "batch")       # no reply yet
         app2_text = None
     app2 = make_app(FakeBackend(gpu=False))
     async with app2.run_test(size=SIZE) as pilot:

@@ -39,3 +39,12 @@ async def test_no_section_line_wraps_in_any_phase(make_app, size):
         assert app.chat.last_metrics()["cached_prompt_tokens"] > 0
         await pilot.pause(0.3)
         assert overflowing(app) == []                                   # finished, with a cache hit
+
+
+def test_the_decode_row_says_how_steps_launch():
+    from pdchat.chatapp.tui.widgets.panel_sections import graph_words
+    assert graph_words({"graph_state": "on", "graph_rows": 5, "graph_size": 8}) == "graph, 5 rows in 8"
+    assert graph_words({"graph_state": "on", "graph_rows": 8, "graph_size": 8}) == "graph, 8 rows"
+    assert graph_words({"graph_state": "on"}) == "CUDA graphs ready"
+    assert graph_words({"graph_state": "off"}) == "eager (CUDA graphs off)"
+    assert graph_words({"graph_state": "failed: RuntimeError: x"}) == "eager (CUDA graphs failed: RuntimeError: x)"

@@ -117,11 +117,27 @@ async def test_the_telemetry_stays_in_view_with_the_toggles_open(size, make_app)
         await pilot.pause(0.3)
         height = size[1]
         for s in TOGGLES:                                   # every toggle's row on screen
+            if s.gpu_only:                                  # a CPU backend: no control at all
+                assert not box.query(f"#tg-{s.name}"), s.name
+                continue
             row = box.query_one(f"#tg-{s.name}").parent
             assert 0 <= row.region.y < height and row.region.height == 1, s.name
         for section in ("#tm-phase", "#tm-latency"):         # and the live numbers under them
             region = app.chat.query_one(section).region
             assert region.height > 0 and region.y + region.height <= height - 1, section
+
+
+@pytest.mark.anyio
+async def test_a_gpu_backend_shows_the_cuda_graphs_switch(make_app):
+    backend = FakeBackend(gpu=True)
+    app = make_app(backend)
+    async with app.run_test(size=(160, 60)) as pilot:
+        box = await _open_toggles(pilot)
+        switch = box.query_one("#tg-cuda_graphs", Switch)
+        assert switch.value and not switch.disabled
+        await pilot.click("#tg-cuda_graphs")
+        await pilot.pause()
+        assert backend.updates[-1] == {"cuda_graphs": False}
 
 
 @pytest.mark.anyio

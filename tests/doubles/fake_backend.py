@@ -175,7 +175,7 @@ class FakeBackend(Backend):
         self.load_error = load_error
         self.clock = FakeClock()
         self.toggles: dict[str, Any] = {"kv_cache": True, "prefix_cache": True, "chunk_size": 256,
-                                        "spec": "off", "quant": "none", "neighbours": 0}
+                                        "spec": "off", "quant": "none", "neighbours": 0, "cuda_graphs": True}
         self.updates: list[dict[str, Any]] = []
         self._notices: list[str] = []
         self.requests: list[tuple[list[dict[str, str]], Settings]] = []

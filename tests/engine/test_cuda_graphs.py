@@ -79,6 +79,19 @@ def test_graph_decoding_matches_eager_decoding_on_a_padded_batch() -> None:
         engine.close()
 
 
+def test_the_op_by_op_steps_extra_cost_is_measured_at_capture() -> None:
+    engine = _engine()
+    try:
+        graphs = engine.runner.graphs
+        assert graphs.mixed_step_extra() == graphs.eager_extra_s >= 0.0
+        engine.update(cuda_graphs=False)
+        assert graphs.mixed_step_extra() == 0.0      # no graphs: every step runs op by op alike
+        if GPU:                                       # the engine feeds it to the time budget
+            assert engine.scheduler.cost.fixed == graphs.mixed_step_extra
+    finally:
+        engine.close()
+
+
 def test_batch_limit_growing_captures_a_longer_ladder() -> None:
     engine = _engine()
     try:

@@ -78,3 +78,26 @@ def test_a_long_lone_prompt_does_not_teach_the_slices_beside_streams():
     assert cost.coefficients() == beside
     assert cost.coefficients(decoded=False)[0] < beside[0] / 2
     assert cost.prefill_seconds(0, 1800, decoded=False) == pytest.approx(0.4e-3 * 1800, rel=0.05)
+
+
+def test_a_known_fixed_cost_is_taken_out_of_the_fit_and_out_of_the_budget():
+    # A GPU: decodes replay a graph in 1.25 ms, a step with prompt tokens pays 10 ms of launches
+    # first, then 8 us a token.
+    cost = StepCost(pair_ratio=0.0)
+    cost.fixed = lambda: 0.010
+    cost.record_decode(0.00125)
+    for n in (128, 300, 700, 64):
+        cost.record_prefill(n, 0, True, 0.00125 + 0.010 + 8e-6 * n)
+    assert cost.coefficients()[0] == pytest.approx(8e-6, rel=0.02)
+    # the budget (2.5 decode steps) cannot hold the fixed cost: a slice may cost that much again
+    assert cost.prompt_seconds(2.5) == pytest.approx(0.010)
+    assert cost.tokens_within(cost.prompt_seconds(2.5), 0) == pytest.approx(1250, abs=2)
+    assert cost.step_seconds(0.004) == pytest.approx(0.00125 + 0.010 + 0.004)
+
+
+def test_without_a_fixed_cost_the_budget_is_its_share_past_the_decode_step():
+    cost = StepCost(pair_ratio=0.0)
+    cost.record_decode(0.02)
+    assert cost.prompt_seconds(2.5) == pytest.approx(0.03)
+    cost.fixed = lambda: 0.005                   # a small one comes out of the share
+    assert cost.prompt_seconds(2.5) == pytest.approx(0.025)

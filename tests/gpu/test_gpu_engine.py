@@ -16,9 +16,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 SHAPES = ["random:smollm2-135m", "random:qwen2.5-0.5b"]
 PROMPT = "Explain why the sky is blue, in three sentences."
 TOKENS = 24
-# bf16 rounds to 3 significant digits; two correct paths differ by a few of its steps in a logit
-TIE = 0.25
-LOGIT_REL = 2e-2
+# bf16 keeps 8 significant bits: two correct paths may differ by a step or two in a logit (0.5 at
+# a logit of 64-128, as random weights give; seen on an H200: a near-tie broken by exactly 0.5)
+TIE, TIE_REL = 0.25, 2**-6
+# One bf16 op lands 1e-3..1e-2 from a float64 reference; over 30 layers the Triton and PyTorch
+# paths' logits differed by 2.0 % (H200, SmolLM2-135M shape), by less on the 24-layer shape.
+LOGIT_REL = 4e-2
 
 
 def engine(model: str, **kw) -> Engine:
@@ -42,7 +45,7 @@ def test_triton_path_matches_the_pytorch_path(model: str) -> None:
         tokens = greedy(fast, prompt)
         ids = prompt + tokens
         ref_logits = ref.prompt_logits(ids)
-        assert disagreements(prompt, tokens, ref_logits, TIE) == []
+        assert disagreements(prompt, tokens, ref_logits, TIE, TIE_REL) == []
         assert relative(fast.prompt_logits(ids), ref_logits) < LOGIT_REL
         assert greedy(ref, prompt)[:4] == tokens[:4]          # no near-tie this early on these weights
     finally:
@@ -58,7 +61,7 @@ def test_graph_decoding_matches_eager_decoding(model: str) -> None:
         done = e.generate(prompts, SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True))
         assert e.stats().graph_replays >= TOKENS - 1
         for prompt, c in zip(prompts, done):
-            assert disagreements(prompt, c.token_ids, e.prompt_logits(prompt + c.token_ids), TIE) == []
+            assert disagreements(prompt, c.token_ids, e.prompt_logits(prompt + c.token_ids), TIE, TIE_REL) == []
     finally:
         e.close()
 
@@ -92,3 +95,13 @@ def test_info_names_the_gpu() -> None:
     from pdchat.engine.info import gpu_info
     got = gpu_info()
     assert got["device"].startswith("cuda (") and torch.cuda.get_device_name(0) in got["gpu"]
+
+
+def test_a_nan_row_gets_no_token_on_the_gpu_too() -> None:
+    # the greedy path finds NaN rows through argmax, which must take a NaN as the largest value
+    from pdchat.engine.sampler import NO_TOKEN, sample
+    logits = torch.randn(3, 1000, device="cuda")
+    logits[1, 17] = float("nan")
+    params = [SamplingParams(temperature=0)] * 3
+    got = sample(logits, params, [None] * 3).tolist()
+    assert got[1] == NO_TOKEN and got[0] == int(logits[0].argmax()) and got[2] == int(logits[2].argmax())

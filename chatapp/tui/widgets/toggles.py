@@ -43,8 +43,12 @@ class TogglesBox(Vertical):
         self.toggles = toggles       # what the app has: a control showing it again sends nothing
         self.caps = caps
 
+    def shown(self) -> list[Setting]:
+        """The toggles with a control: a GPU's own only where the backend can apply them."""
+        return [s for s in TOGGLES if self.caps.get(s.name) or not s.gpu_only]
+
     def compose(self) -> ComposeResult:
-        for s in TOGGLES:
+        for s in self.shown():
             yield from self._control(s, getattr(self.toggles, s.name), not self.caps.get(s.name))
         yield Static(HINT, id="tg-help", classes="tg-help")
 
@@ -76,7 +80,7 @@ class TogglesBox(Vertical):
     def set_values(self, toggles: Toggles) -> None:
         """Reflect toggles changed elsewhere (command palette) without re-sending them."""
         self.toggles = toggles
-        for s in TOGGLES:
+        for s in self.shown():
             value = getattr(toggles, s.name)
             if s.kind is bool or s.choices:
                 self.query_one(f"#tg-{s.name}").value = value
