@@ -100,6 +100,12 @@ def _prefill_sweep(engine: Engine, sizes: dict[str, Any], progress: Progress) ->
     lengths = [n for n in sizes["lengths"] if n <= limit]
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     raw: dict[int, list[float]] = {n: [] for n in lengths}
+    if engine.device.type == "cuda":
+        # A GPU's first prefill of a shape loads kernels (cuBLAS's lazily loaded modules): one
+        # such 512-token prefill took 522 ms on an H200 where the 1,024-token one after it took
+        # 18. There a warm-up pass costs milliseconds; on a CPU it would double the sweep.
+        for n in lengths:
+            engine.submit(_prompt_ids(engine, n, seed=-1), one).result()
     total = sizes["repeats"] * len(lengths)
     for r in range(sizes["repeats"]):
         for i, n in enumerate(lengths):     # interleaved: machine noise hits every length alike

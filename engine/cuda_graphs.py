@@ -132,7 +132,7 @@ class DecodeGraphs:
         if on:
             self.failed = None               # toggling on tries the capture again
         else:
-            self._release()
+            self.release()
 
     @property
     def state(self) -> str:
@@ -149,11 +149,11 @@ class DecodeGraphs:
             return False
         if self._key == (max_batch, key):
             return True
-        self._release()
+        self.release()
         try:
             self._capture(max_batch)
         except Exception as e:            # any capture failure: decoding stays correct, only eager
-            self._release()
+            self.release()
             self.failed = f"{type(e).__name__}: {e}".splitlines()[0][:200]
             self._notices.append(f"CUDA graphs could not be captured ({self.failed}); decoding eagerly")
             return False
@@ -194,7 +194,8 @@ class DecodeGraphs:
             view = buffers.first(size)
             self._graphs[size] = (graph, graph.capture(lambda v=view: self._forward(v)))
 
-    def _release(self) -> None:
+    def release(self) -> None:
+        """Drop the graphs, their memory and the buffers (captured again when next needed)."""
         self._graphs, self._buffers, self._key, self.sizes, self._tables = {}, None, None, [], None
 
     @torch.inference_mode()

@@ -247,6 +247,7 @@ class Engine:
         # The model goes before the KV pool: the other order left glibc a vocabulary-sized hole.
         self.speculative.close()
         self.precision.release()
+        self.runner.close()
         self.loaded = self.runner = None
         release_freed_memory(self.device)
 

@@ -37,8 +37,11 @@ def pick_device(name: str) -> torch.device:
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        # bf16 through torch on CPU is far slower than fp32; on GPU bf16 is the norm.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        # bf16 through torch on CPU is far slower than fp32; on GPU bf16 is the norm, and fp16 where
+        # the GPU has no bf16 (before Ampere).
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
     try:
         return DTYPES[name]
     except KeyError:

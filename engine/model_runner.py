@@ -69,6 +69,13 @@ class ModelRunner:
                                    new_graph=new_graph)
         return self.graphs
 
+    def close(self) -> None:
+        """Let the KV pool, the graphs and the model go, even while something still holds this
+        runner (the runtime settings, the time budget's fixed-cost source)."""
+        if self.graphs is not None:
+            self.graphs.release()
+        self.graphs = self.k_cache = self.v_cache = self.model = None
+
     def _weights_key(self) -> tuple[str, int]:
         switch = self.model.quant_switch
         return (switch.mode, switch.version) if switch is not None else ("none", 0)

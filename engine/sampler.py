@@ -91,6 +91,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         ok = usable(probs)
         best = probs.argmax(-1)
     out = best.masked_fill(~ok, NO_TOKEN)
+    if all(p.greedy for p in params):
+        return out                   # nothing to draw: no wait for the device here
     drawn = [i for i, (p, row_ok) in enumerate(zip(params, ok.tolist())) if not p.greedy and row_ok]
     if drawn:
         out[drawn] = draw_rows(probs[drawn], [generators[i] for i in drawn])

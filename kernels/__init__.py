@@ -1,8 +1,8 @@
 """Kernels of one transformer forward over the paged KV cache, in three backends.
 
 `reference` holds the pure-PyTorch versions: they define the semantics, run anywhere, and are the
-oracle for the others. `triton_attention` replaces the attention ops on GPUs and `triton_layers`
-the norms, rope and the MLP's activation; `cpu` (C, built on
+oracle for the others. `triton_attention` replaces the attention ops on GPUs, `triton_layers`
+the norms, rope and the MLP's activation, `triton_quant` the int8 weight-only product; `cpu` (C, built on
 first use) replaces all of them for small batches on CPUs. Triton and the C build are optional, so
 both are imported only when asked for.
 """
@@ -44,8 +44,8 @@ def load(name: str, cache_dir: Path | None = None) -> SimpleNamespace:
         raise ValueError(f"unknown kernel backend {name!r} ({', '.join(BACKENDS)})")
     own: list[object] = []
     if name == "triton":
-        from . import triton_attention, triton_layers
-        own = [triton_attention, triton_layers]
+        from . import triton_attention, triton_layers, triton_quant
+        own = [triton_attention, triton_layers, triton_quant]
     elif name == "cpu":
         from . import cpu
         if cache_dir is None:

@@ -92,6 +92,21 @@ def test_the_op_by_op_steps_extra_cost_is_measured_at_capture() -> None:
         engine.close()
 
 
+def test_new_weights_are_captured_again_and_int8_decodes_through_the_graphs() -> None:
+    engine = _engine()
+    try:
+        graphs = engine.runner.graphs
+        engine.update(quant="int8")
+        assert engine.config.quant == "int8"                  # the Triton int8 product runs here
+        tokens = _greedy(engine, n=6, prompts=PROMPTS[:1])[0]
+        assert graphs.replays == 5
+        # graphs still holding the float weights' products would stray from the eager int8 forward
+        ids = engine.encode(PROMPTS[0])
+        assert disagreements(ids, tokens, engine.prompt_logits(ids + tokens), tie=1e-4) == []
+    finally:
+        engine.close()
+
+
 def test_batch_limit_growing_captures_a_longer_ladder() -> None:
     engine = _engine()
     try:

@@ -5,6 +5,7 @@ import random
 import time
 
 import pytest
+import torch
 
 from pdchat.engine import (ContextTooLong, Engine, FinishEvent, InvalidRequest, ProgressEvent, SamplingParams,
                            TokenEvent)
@@ -160,3 +161,13 @@ def test_stats_still_answer_after_close():
     engine.close()
     after = engine.stats()
     assert after.weight_bytes == before.weight_bytes > 0 and after.running == 0
+
+
+def test_auto_dtype_is_bf16_on_a_gpu_that_has_it_and_fp16_on_one_that_does_not(monkeypatch):
+    from pdchat.engine.loader import pick_dtype
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: not including_emulation)
+    assert pick_dtype("auto", cuda) == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert pick_dtype("auto", cuda) == torch.float16          # only emulated: a pre-Ampere GPU
+    assert pick_dtype("auto", torch.device("cpu")) == torch.float32

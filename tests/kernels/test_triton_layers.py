@@ -79,3 +79,22 @@ def test_no_rows_is_no_launch() -> None:
     empty = torch.empty(0, 64, device=DEVICE)
     assert tl_ops.rms_norm(empty, torch.ones(64, device=DEVICE), 1e-6).shape == (0, 64)
     assert tl_ops.silu_mul(torch.empty(0, 128, device=DEVICE)).shape == (0, 64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, n, k, bias", [(1, 576, 576, False), (3, 100, 96, True), (40, 130, 320, False)])
+def test_int8_weight_only_product(dtype, rows, n, k, bias) -> None:
+    from pdchat.kernels import triton_quant
+    g = torch.Generator().manual_seed(rows)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8).to(DEVICE)
+    scales = (torch.rand(n, generator=g) / 64 + 1e-3).to(DEVICE)
+    x = rand(rows, k, dtype=dtype)
+    b = rand(n, dtype=dtype, seed=3) if bias else None
+    packed, packed_scales = reference.pack_int8(q, scales, dtype)
+    got = triton_quant.linear_int8(x, packed, packed_scales, b)
+    want = (x.float() @ (q.float() * packed_scales.float()[:, None]).T) + (b.float() if bias else 0)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    # against float32 sums of the dequantized weights: the output's rounding, and fp32 sums in
+    # another order (tf32 products for float32 activations on a GPU)
+    limit = {torch.float32: 4e-3, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    assert float((got.float() - want).norm() / want.norm()) < limit
