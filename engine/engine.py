@@ -50,6 +50,10 @@ def _stderr(msg: str) -> None:
 
 
 class Engine:
+    """The façade (see the module's docstring). It runs a little past 200 lines because it is both
+    where the parts are wired (the constructor) and the public API's home; each part's logic is in
+    its own module."""
+
     def __init__(self, config: EngineConfig | None = None, *, say: Callable[[str], None] = _stderr,
                  **overrides: Any):
         cfg = replace(config or EngineConfig(), **overrides)
@@ -213,10 +217,8 @@ class Engine:
         if not plain:
             return {}
         seqs = [plan.items[i].seq for i in plain]
-        rows = [out.starts[i] for i in plain]
-        # a decode step's logits are already those rows, in order: no copy
-        logits = out.logits if rows == list(range(out.logits.shape[0])) else out.logits[rows]
-        tokens = sample(logits, [s.params for s in seqs], [s.generator or self._generator for s in seqs]).tolist()
+        tokens = sample(out.first_rows(plain), [s.params for s in seqs],
+                        [s.generator or self._generator for s in seqs]).tolist()
         return {idx: [t] for idx, t in zip(plain, tokens) if t != NO_TOKEN}
 
     # ---- runtime settings -----------------------------------------------------------------

@@ -35,6 +35,12 @@ class StepLogits:
     def rows(self, idx: int) -> torch.Tensor:
         return self.logits[self.starts[idx]:self.starts[idx + 1]]
 
+    def first_rows(self, items: list[int]) -> torch.Tensor:
+        """The first logits row of each of `items`, stacked; a decode step's logits are already
+        exactly those rows, in order, and come back without a copy."""
+        at = [self.starts[i] for i in items]
+        return self.logits if at == list(range(self.logits.shape[0])) else self.logits[at]
+
 
 class ModelRunner:
     def __init__(self, model: Transformer, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,

@@ -170,7 +170,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("device", ENGINE, str, "auto", group="model and device", help="auto, cpu, cuda or cuda:N"),
     Setting("dtype", ENGINE, str, "auto", group="model and device",
             choices=("auto", "float32", "bfloat16", "float16"),
-            help="weights and KV precision; auto = float32 on CPU, bfloat16 on CUDA"),
+            help="weights and KV precision; auto = float32 on CPU, bfloat16 on CUDA (float16 on GPUs without it)"),
     Setting("block_size", ENGINE, int, 16, low=1, rule=_power_of_two, metavar="N", group="optimizations",
             help="tokens per KV block (a power of two)"),
     Setting("kv_cache_mb", ENGINE, float, None, nullable=True, low=0, low_open=True, metavar="MB",
@@ -215,7 +215,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("draft_model", ENGINE, str, None, nullable=True, group="optimizations", metavar="MODEL",
             help="draft for --spec draft: a model with the same tokenizer, or 'self' = the target in int8"),
     Setting("kernels", ENGINE, str, "auto", group="model and device", choices=("auto", "torch", "triton", "cpu"),
-            help="kernel backend: auto = Triton attention on CUDA, the C kernels for float32 on CPU; "
+            help="kernel backend: auto = the Triton kernels on CUDA, the C kernels for float32 on CPU; "
                  "torch = plain PyTorch ops"),
     Setting("cuda_graphs", ENGINE, bool, True, runtime=True, toggle=True, gpu_only=True, group="optimizations",
             label="CUDA graphs",

@@ -22,7 +22,7 @@ BACKENDS = ("torch", "triton", "cpu")
 
 
 def choose(name: str, device_type: str, fp32: bool) -> str:
-    """The backend for a request ("auto" or a name): auto is Triton attention on CUDA, the C
+    """The backend for a request ("auto" or a name): auto is the Triton kernels on CUDA, the C
     kernels for fp32 on CPU, plain PyTorch otherwise. Raises ValueError for an impossible one."""
     if name == "auto":
         return "triton" if device_type == "cuda" else "cpu" if device_type == "cpu" and fp32 else "torch"
