@@ -42,12 +42,13 @@ def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
         logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits.masked_fill(remove, float("-inf")))
 
     probs = logits.softmax(-1)
-    min_p = torch.tensor([p.min_p for p in params], device=device, dtype=probs.dtype)
-    if bool((min_p > 0).any()):
+    # (the parameters are on the host: asking the device whether any row needs a pass would wait for it)
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device, dtype=probs.dtype)
         keep = probs >= min_p.unsqueeze(1) * probs.max(-1, keepdim=True).values
         probs = probs * keep
         probs = probs / probs.sum(-1, keepdim=True)
-    if bool(greedy.any()):
+    if any(p.greedy for p in params):
         one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
         # argmax of a NaN row is some index: such a row keeps its NaNs, so `usable` rejects it
         probs = torch.where((greedy & ~torch.isnan(logits).any(-1)).unsqueeze(1), one_hot, probs)
@@ -69,11 +70,17 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 
 def draw_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """draw() for each row of probs [n, V], row i with generators[i] (one uniform each, in row
-    order): one cumulative sum and one search for all rows, and no wait for the device (a wait
-    per row cost more than the forward at 256 rows on a GPU)."""
+    """draw() for each row of probs [n, V], row i with generators[i] (one uniform each; rows that
+    share a generator take theirs in one call, in row order): one cumulative sum and one search
+    for all rows, and no wait for the device (a wait per row cost more than the forward at 256
+    rows on a GPU, and a call per row is a launch per row there)."""
     cdf = probs.double().cumsum(-1)
-    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64, device=probs.device) for g in generators])
+    u = torch.empty(len(generators), dtype=torch.float64, device=probs.device)
+    rows_of: dict[int, list[int]] = {}
+    for i, g in enumerate(generators):
+        rows_of.setdefault(id(g), []).append(i)
+    for rows in rows_of.values():
+        u[rows] = torch.rand(len(rows), generator=generators[rows[0]], dtype=torch.float64, device=probs.device)
     picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
     return picked.clamp_max(probs.shape[1] - 1)
 
