@@ -188,11 +188,15 @@ class DecodeGraphs:
     def _capture(self, max_batch: int) -> None:
         pool = torch.cuda.graph_pool_handle() if self._device.type == "cuda" else None
         self._buffers = buffers = DecodeBuffers.allocate(max_batch, self._max_blocks, self._device)
+        # Every graph writes its logits into one tensor: each keeping its own would hold
+        # sum(ladder) rows of the vocabulary (1.3 GB for a batch limit of 256 and a 152K vocabulary).
+        probe = self._forward(buffers.first(1))
+        logits = torch.empty((max_batch, probe.shape[1]), dtype=probe.dtype, device=probe.device)
         self.sizes = ladder(max_batch)
         for size in reversed(self.sizes):          # largest first: the smaller ones reuse its pool
             graph = self._new_graph(pool)
-            view = buffers.first(size)
-            self._graphs[size] = (graph, graph.capture(lambda v=view: self._forward(v)))
+            view, out = buffers.first(size), logits[:size]
+            self._graphs[size] = (graph, graph.capture(lambda v=view, o=out: o.copy_(self._forward(v))))
 
     def release(self) -> None:
         """Drop the graphs, their memory and the buffers (captured again when next needed)."""
