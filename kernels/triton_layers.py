@@ -2,9 +2,10 @@
 `reference` (read it first).
 
 In PyTorch each of these ops is several launches (the fp32 upcast, the norm, the downcast, the
-weight; rope's four products and its concatenation), and a decode step of a small model is bound
-by launches, not by bytes: SmolLM2-135M's 30 layers took about 30 launches each. These kernels
-make each op one launch. They round where the PyTorch ops round (each intermediate back to the
+weight; rope's products, negation and concatenation): some 25 of a layer's launches, counted from
+the ops' code, where a decode step of a small model is bound by launches, not by bytes. These
+kernels make each op one launch (a layer is 11 launches with them; measured on an H200 in a CUDA
+graph, the 135M shape's 30 layers take 0.96 ms a step). They round where the PyTorch ops round (each intermediate back to the
 activations' dtype), so greedy decoding matches the reference path bit for bit where the
 arithmetic does.
 """

@@ -2,7 +2,7 @@
 (weights q int8 [N, K] with one scale per output row, packed as `reference.pack_int8` packs them).
 
 A decode step is bound by the bytes of weights it reads, and int8 weights are half of bf16's.
-aten's int8 weight-only product ran decode 4-8x slower than bf16 on an H200, so it never paid.
+aten's int8 weight-only product ran decode 4-7x slower than bf16 on an H200, so it never paid.
 Here each program streams a strip of weight rows once, converts them to the activations' dtype in
 registers and multiplies on the tensor cores (rows padded to 16, which costs nothing while the
 weights' bytes decide the time); the scale is applied to the sums.
