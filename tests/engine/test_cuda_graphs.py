@@ -62,19 +62,15 @@ def test_graph_decoding_matches_eager_decoding_on_a_padded_batch() -> None:
     seen, fill = [], graphs._fill
     graphs._fill = lambda rows, size: (seen.append((len(rows.input_ids), size)), fill(rows, size))
     try:
-        with_graphs = _greedy(engine)
+        with_graphs = _greedy(engine, n=6)
         stats = engine.stats()
-        assert stats.graph_state == "on" and stats.graph_replays == len(seen) >= 7   # 8 tokens: 1 from the prefill
+        assert stats.graph_state == "on" and stats.graph_replays == len(seen) >= 5   # 6 tokens: 1 from the prefill
         assert graphs.sizes == [1, 2, 4]
         assert (3, 4) in seen and (stats.graph_rows, stats.graph_size) == seen[-1]
         engine.update(cuda_graphs=False)
-        eager = _greedy(engine)
+        eager = _greedy(engine, n=6)
         assert engine.stats().graph_replays == len(seen) and engine.stats().graph_state == "off"   # off means off
-        assert with_graphs == eager
-        # and each graph-made token is what the eager forward scores likeliest
-        for prompt, tokens in zip(PROMPTS, with_graphs):
-            ids = engine.encode(prompt)
-            assert disagreements(ids, tokens, engine.prompt_logits(ids + tokens), tie=1e-4) == []
+        assert with_graphs == eager          # float32 on both paths: the same tokens
     finally:
         engine.close()
 
@@ -98,8 +94,8 @@ def test_new_weights_are_captured_again_and_int8_decodes_through_the_graphs() ->
         graphs = engine.runner.graphs
         engine.update(quant="int8")
         assert engine.config.quant == "int8"                  # the Triton int8 product runs here
-        tokens = _greedy(engine, n=6, prompts=PROMPTS[:1])[0]
-        assert graphs.replays == 5
+        tokens = _greedy(engine, n=4, prompts=PROMPTS[:1])[0]
+        assert graphs.replays == 3
         # graphs still holding the float weights' products would stray from the eager int8 forward
         ids = engine.encode(PROMPTS[0])
         assert disagreements(ids, tokens, engine.prompt_logits(ids + tokens), tie=1e-4) == []
@@ -125,12 +121,12 @@ def test_a_failed_capture_decodes_eagerly_with_a_notice() -> None:
         assert engine.stats().graph_state.startswith("failed: RuntimeError")
         notices = engine.take_notices()
         assert any("CUDA graphs could not be captured" in n and "decoding eagerly" in n for n in notices)
-        tokens = _greedy(engine)
-        assert all(len(t) == 8 for t in tokens)
+        tokens = _greedy(engine, n=4, prompts=PROMPTS[:2])
+        assert [len(t) for t in tokens] == [4, 4]
         assert engine.stats().graph_replays == 0
         engine.update(cuda_graphs=False)
         engine.update(cuda_graphs=True)              # toggling on tries again (and fails again, once)
-        _greedy(engine, n=2)
+        _greedy(engine, n=2, prompts=PROMPTS[:1])
         assert sum("could not be captured" in n for n in engine.take_notices()) == 1
     finally:
         engine.close()
