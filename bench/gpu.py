@@ -100,6 +100,13 @@ def replay_ms(engine: Engine, repeats: int = 200) -> float | None:
     return start.elapsed_time(end) / repeats
 
 
+def _op_by_op_extra_ms(engine: Engine) -> float | None:
+    """What a step with prompt tokens costs beyond a replayed decode step, as measured at capture
+    (the time budget's fixed cost: it sizes the prompt slices beside running streams)."""
+    graphs = engine.runner.graphs
+    return None if graphs is None else graphs.mixed_step_extra() * 1000
+
+
 def shape_row(model: str, config: EngineConfig, bandwidth: float, quick: bool, progress: Progress,
               at: float) -> dict[str, Any]:
     """One model shape: decode with and without graphs, HF, roofline, the prefill/decode claim."""
@@ -112,7 +119,7 @@ def shape_row(model: str, config: EngineConfig, bandwidth: float, quick: bool, p
         _decode(engine, prompt, 8, 1)                              # warm-up: compiles, captures
         progress(f"{model}: decode, graphs on", at)
         graphs, _ = _decode(engine, prompt, tokens, repeats)
-        gpu_ms = replay_ms(engine)
+        gpu_ms, extra_ms = replay_ms(engine), _op_by_op_extra_ms(engine)
         _, ttft_1k = _decode(engine, long, 2, repeats)
         engine.update(cuda_graphs=False)
         _decode(engine, prompt, 8, 1)
@@ -144,7 +151,7 @@ def shape_row(model: str, config: EngineConfig, bandwidth: float, quick: bool, p
                 "gpu_ms": gpu_ms, "host_ms": None if gpu_ms is None else 1000 / graphs - gpu_ms,
                 "gpu_roofline": None if not gpu_ms else per_token / (gpu_ms / 1000) / bandwidth,
                 "ttft_1k_ms": ttft_1k, "prefill_in_decode_steps": ttft_1k / (1000 / graphs),
-                "graphs": state, **quantized}
+                "graphs": state, "op_by_op_extra_ms": extra_ms, **quantized}
     finally:
         engine.close()
         torch.cuda.empty_cache()
@@ -168,6 +175,7 @@ def throughput(config: EngineConfig, requests: int, seed: int = 0) -> dict[str, 
         out = sum(len(c.token_ids) for c in done)
         return {"model": THROUGHPUT_SHAPE, "requests": requests, "prompt_tokens": sum(map(len, prompts)),
                 "output_tokens": out, "seconds": seconds, "output_tok_s": out / seconds,
+                "op_by_op_extra_ms": _op_by_op_extra_ms(engine),
                 "errors": sum(c.finish_reason == "error" for c in done), "reference": NANO_VLLM}
     finally:
         engine.close()
