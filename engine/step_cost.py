@@ -20,13 +20,13 @@ long lone prompt twice too large.
 
 One fixed cost is known rather than fitted: where decode steps replay a CUDA graph while steps
 with prompt tokens run op by op (a GPU), the latter pay the launches the graph saves, about ten
-decode steps of a small model; the graphs measure it when they are captured (`fixed_s`). Where
-that alone exceeds the budget the stall is paid anyway, so a slice may cost as much again: a few
-such stalls instead of one per 16 tokens (measured on an H200: a 1,055-token newcomer waited
-2.7 s behind 16-token slices, 20 ms unchunked).
+decode steps of a small model; the graphs measure it when they are captured (`StepCost.fixed`).
+Where that alone exceeds the budget the stall is paid anyway, so a slice may cost as much again: a
+few such stalls instead of one per 16 tokens (measured on an H200: a 1,055-token newcomer waited
+2.7 s behind 16-token slices, 60-101 ms with this rule, 20 ms unchunked).
 
-Beyond that there is no separate fixed cost of a step with a prompt slice: the slices the budget picks are
-mostly alike, so a fixed part and a per-token part cannot be told apart from them, and a wrong
+Beyond that there is no separate fixed cost of a step with a prompt slice: the slices the budget
+picks are mostly alike, so a fixed part and a per-token part cannot be told apart from them, and a wrong
 split made the slices ever smaller (measured: a fitted 40 ms fixed part where a direct timing
 showed under 10). A real fixed part shows up as a per-token cost a little too high for small
 slices: predictions err towards shorter steps.
