@@ -53,3 +53,10 @@ def test_without_a_gpu_it_says_so_and_checks_nothing(tmp_path) -> None:
     assert got.returncode == 2
     assert "no CUDA GPU" in got.stderr
     assert not (tmp_path / "report.json").exists()
+
+
+def test_an_unknown_stage_is_a_usage_error(tmp_path) -> None:
+    got = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_check.py"), "--out", str(tmp_path),
+                          "--stages", "bench_gpu,benchmark"], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 2
+    assert "unknown stage(s) benchmark" in got.stderr and "bench_gpu, tests, toggles, spec, lab" in got.stderr

@@ -11,7 +11,8 @@ only its stage:
      tests/gpu/);
   3. the toggles, spec and lab suites on the GPU (quick sizes).
 and writes report.json (every figure) and report.md (the tables) with the device, driver and
-versions. Usage: python3 tools/gpu_check.py [--out DIR] [--budget-s S] [--quick]
+versions. Exit status 1 when a test or a stage failed, 2 where there is no GPU.
+Usage: python3 tools/gpu_check.py [--out DIR] [--budget-s S] [--quick] [--stages a,b]
 """
 from __future__ import annotations
 
@@ -95,17 +96,19 @@ def run_stage(name: str, quick: bool, out: Path) -> None:
 
 
 def _tests(env: dict[str, str], limit: float, out: Path) -> dict[str, Any]:
-    xml = out / "tests.xml"
     import importlib.util
+    import xml.etree.ElementTree as ET
+    junit = out / "tests.xml"
+    junit.unlink(missing_ok=True)                    # an old run's results must not stand in
     # Workers compile the Triton kernels' many variants in parallel (minutes one after another).
     workers = ["-n", "8"] if importlib.util.find_spec("xdist") else []
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers, f"--junitxml={xml}", *GPU_TESTS]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers, f"--junitxml={junit}",
+           *GPU_TESTS]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=limit)
     (out / "tests.log").write_text(proc.stdout + proc.stderr)
     result: dict[str, Any] = {"exit_code": proc.returncode, "summary": (proc.stdout.strip().splitlines() or [""])[-1]}
-    if xml.exists():
-        import xml.etree.ElementTree as ET
-        suite = ET.parse(xml).getroot().find("testsuite")
+    if junit.exists():
+        suite = ET.parse(junit).getroot().find("testsuite")
         result.update({k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")})
         result["failed"] = [f"{case.get('classname')}::{case.get('name')}" for case in suite.iter("testcase")
                             if case.find("failure") is not None or case.find("error") is not None]
@@ -133,6 +136,9 @@ def main() -> int:
     if args.stage:
         run_stage(args.stage, args.quick, Path(args.stage_out))
         return 0
+    chosen = args.stages.split(",")
+    if unknown := set(chosen) - {s for s, _ in STAGES}:
+        parser.error(f"unknown stage(s) {', '.join(sorted(unknown))}; the stages: {', '.join(s for s, _ in STAGES)}")
     started = time.monotonic()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -141,7 +147,6 @@ def main() -> int:
     if "gpu" not in report["environment"]:
         print("gpu-check: torch sees no CUDA GPU here; nothing to check", file=sys.stderr)
         return 2
-    chosen = args.stages.split(",")
     for name, limit in STAGES:
         if name not in chosen:
             continue
@@ -172,7 +177,8 @@ def main() -> int:
         print(f"gpu-check: {name} done in {result['seconds']} s", flush=True)
     print(markdown(report))
     tests = report["stages"].get("tests", {})
-    return 1 if tests.get("failures") or tests.get("errors") or tests.get("exit_code") else 0
+    failed = tests.get("failures") or tests.get("errors") or tests.get("exit_code")
+    return 1 if failed or any("error" in r for r in report["stages"].values()) else 0
 
 
 def _cell(v: Any) -> str:
