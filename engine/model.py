@@ -36,18 +36,17 @@ class AttentionBatch:
     query_lens_host: list[int]
     context_lens_host: list[int] | None
     scale: float
-    # A decode batch replayed from a CUDA graph: its attention's fixed context split count (the
-    # Triton kernels' num_splits), and no host lengths, which a replay could not update.
+    # A decode batch replayed from a CUDA graph: its attention's fixed context split count
+    # (num_splits in kernels/reference.py), and no host lengths, which a replay could not update.
     decode_splits: int | None = None
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ops: Kernels) -> torch.Tensor:
         """Store this layer's new K/V, then attend: q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
         ops.store_kv(k, v, k_cache, v_cache, self.slot_mapping)
-        fixed = {} if self.decode_splits is None else {"num_splits": self.decode_splits}
         return ops.paged_attention(q, k_cache, v_cache, self.block_tables, self.query_start_loc, self.context_lens,
                                    self.scale, query_lens_host=self.query_lens_host,
-                                   context_lens_host=self.context_lens_host, **fixed)
+                                   context_lens_host=self.context_lens_host, num_splits=self.decode_splits)
 
 
 # (weight, scales, bias): scales None for full-precision weights, else quantized ones as the backend stores them.

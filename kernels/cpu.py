@@ -463,7 +463,9 @@ class CpuKernels:
                         block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                         context_lens: torch.Tensor, scale: float, *,
                         query_lens_host: list[int] | None = None,
-                        context_lens_host: list[int] | None = None) -> torch.Tensor:
+                        context_lens_host: list[int] | None = None,
+                        num_splits: int | None = None) -> torch.Tensor:
+        # num_splits: see reference.paged_attention (these kernels do not split a context)
         qlens, clens = reference.host_lengths(query_start_loc, context_lens, query_lens_host, context_lens_host)
         fits = (q.shape[2] <= 512 and self._ok(q, k_cache, v_cache) and self._rows(q)
                 and k_cache.is_contiguous() and v_cache.is_contiguous())

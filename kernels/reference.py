@@ -82,8 +82,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     context_lens: torch.Tensor, scale: float, *,
                     query_lens_host: list[int] | None = None,
-                    context_lens_host: list[int] | None = None) -> torch.Tensor:
-    """q: [T, H, D] -> out [T, H, D]. The *_host lists, when given, spare a device->host copy."""
+                    context_lens_host: list[int] | None = None,
+                    num_splits: int | None = None) -> torch.Tensor:
+    """q: [T, H, D] -> out [T, H, D]. The *_host lists, when given, spare a device->host copy.
+
+    num_splits: for a decode-only batch, how many parts of each context a backend that splits
+    attention uses (the Triton kernels; a CUDA graph fixes it, since a replay reads no length on
+    the host). Any count gives this result; a backend that does not split ignores it."""
     qlens, clens = host_lengths(query_start_loc, context_lens, query_lens_host, context_lens_host)
     out = torch.empty_like(q)
     if all(n == 1 for n in qlens):

@@ -366,9 +366,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     context_lens_host: list[int] | None = None,
                     num_splits: int | None = None) -> torch.Tensor:
     """q: [T, H, D] -> out [T, H, D]. The *_host lists, when given, spare a device->host copy.
-
-    num_splits: a decode-only batch whose context split count the caller fixed (a CUDA graph
-    cannot read lengths on the host, and any count is exact); no host list is read then."""
+    num_splits (reference.paged_attention): a decode-only batch's split count, fixed by the
+    caller; no host list is read then."""
     if num_splits is not None:
         if num_splits > 1:
             return paged_attention_split_k(q, k_cache, v_cache, block_tables, query_start_loc,
