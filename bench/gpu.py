@@ -22,7 +22,7 @@ from pdchat.bench import Progress, filler_text, median, ratio
 from pdchat.engine.config import EngineConfig, SamplingParams
 from pdchat.engine.engine import Engine
 from pdchat.engine.errors import InvalidRequest
-from pdchat.engine.hf_reference import hf_model_for
+from pdchat.engine.hf_reference import hf_generate, hf_model_for
 
 SHAPES = ("random:smollm2-135m", "random:qwen2.5-0.5b", "random:llama-1b")
 THROUGHPUT_SHAPE = "random:qwen2.5-0.5b"
@@ -57,19 +57,14 @@ def _decode(engine: Engine, prompt: list[int], tokens: int, repeats: int) -> tup
     return median(rates), median(ttfts)
 
 
-@torch.inference_mode()
 def _hf_decode(hf: Any, prompt: list[int], tokens: int, repeats: int) -> tuple[float, str]:
     """Hugging Face `generate`'s decode tok/s (the n-token run minus the 1-token run) with its
     default dynamic cache and with a static cache (uncompiled: compiling takes minutes per
     shape), the faster of the two, and which that was."""
-    ids = torch.tensor([prompt], device=next(hf.parameters()).device)
-    never = hf.config.vocab_size + 1            # an EOS no token has: generation never stops early
-
     def timed(n: int, kw: dict[str, Any]) -> float:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                    eos_token_id=[never], pad_token_id=0, **kw)
+        hf_generate(hf, prompt, n, **kw)
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 

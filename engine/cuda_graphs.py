@@ -209,10 +209,10 @@ class DecodeGraphs:
         """The step's logits [rows, vocab] from a graph replay (a view of the graph's output, valid
         until the next replay); None when no graph takes the batch (then the step runs eagerly)."""
         n = len(rows.input_ids)
-        if not self.prepare(max_batch, key):
+        if self._key != (max_batch, key) and not self.prepare(max_batch, key):
             return None
         size = padded_size(self.sizes, n)
-        if size is None or max(len(t) for t in rows.block_tables) > self._max_blocks:
+        if size is None:
             return None
         self._fill(rows, size)
         graph, out = self._graphs[size]
@@ -241,6 +241,7 @@ class DecodeGraphs:
             tables = torch.zeros(n, width, dtype=torch.int32)
             for i, table in enumerate(rows.block_tables):
                 tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
-            # Entries past a row's context are never read, so stale ones beyond `width` may stay.
+            # A table never outgrows the buffer (a sequence stops at max_model_len). Entries past a
+            # row's context are never read, so stale ones beyond `width` may stay.
             b.block_tables[:n, :width].copy_(tables)
             self._tables = [list(t) for t in rows.block_tables]

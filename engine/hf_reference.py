@@ -2,6 +2,8 @@
 `pdchat bench baseline` and the oracle of the parity tests."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .loader import load_hf_state_dict
@@ -31,15 +33,16 @@ def hf_model_for(engine, dtype: torch.dtype = torch.float32, device: str | torch
 
 
 @torch.inference_mode()
-def hf_generate(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy `generate`, never stopping early (like our ignore_eos)."""
+def hf_generate(model, prompt_ids: list[int], max_new_tokens: int, **generate_kw: Any) -> list[int]:
+    """Greedy `generate`, never stopping early (like our ignore_eos); generate_kw go to `generate`
+    (a cache implementation, say)."""
     device = next(model.parameters()).device
     ids = torch.tensor([prompt_ids], device=device)
     # An EOS id no token can have: clearing the EOS does not work (transformers falls back to the
     # model config), and min_new_tokens would *suppress* EOS and change the tokens.
     never = model.config.vocab_size + 1
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, eos_token_id=[never], pad_token_id=0)
+                         do_sample=False, eos_token_id=[never], pad_token_id=0, **generate_kw)
     return out[0, len(prompt_ids):].tolist()
 
 

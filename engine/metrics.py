@@ -6,7 +6,7 @@ A value that cannot be measured is None (JSON null, shown as "n/a"), never a mad
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .sequence import Sequence
 from .telemetry import achieved_bandwidth, peak_bandwidth
@@ -129,8 +129,7 @@ class EngineStats:
         return asdict(self)
 
 
-def graphs_state(engine: "Engine") -> str:
-    graphs = getattr(engine.runner, "graphs", None)      # the runner is gone once closed
+def graphs_state(engine: "Engine", graphs: Any) -> str:
     if graphs is not None:
         return graphs.state
     if not engine.config.cuda_graphs:
@@ -166,6 +165,7 @@ class StepMeter:
 def collect_stats(engine: "Engine") -> EngineStats:
     """The engine's snapshot: pool, queues, last step, settings in force and device telemetry."""
     b, cfg, meter = engine.blocks, engine.config, engine.meter
+    graphs = getattr(engine.runner, "graphs", None)      # the runner is gone once closed
     bpt, bs = engine.kv_bytes_per_token, b.block_size
     st = EngineStats(
         model=cfg.model, kv_block_size=bs, kv_blocks_total=b.num_blocks, kv_blocks_used=b.num_used,
@@ -179,9 +179,8 @@ def collect_stats(engine: "Engine") -> EngineStats:
         prefix_cache=cfg.prefix_cache, kv_cache=cfg.kv_cache, chunk_size=cfg.chunk_size, step_budget=cfg.step_budget,
         max_num_seqs=cfg.max_num_seqs, spec=cfg.spec, spec_tokens=cfg.spec_tokens,
         achieved_bandwidth=meter.bandwidth, cuda_graphs=cfg.cuda_graphs,
-        graph_state=graphs_state(engine),
+        graph_state=graphs_state(engine, graphs),
     )
-    graphs = getattr(engine.runner, "graphs", None)
     if graphs is not None:
         st.graph_replays = graphs.replays
         st.graph_rows, st.graph_size = graphs.last or (None, None)

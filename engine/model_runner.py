@@ -61,6 +61,8 @@ class ModelRunner:
         """Replay decode steps from CUDA graphs (the Triton kernels only: the others read host
         lengths a replay cannot update). new_graph: a CPU double in tests."""
         from pdchat.kernels.triton_attention import graph_decode_splits
+        if self.graphs is not None:
+            self.graphs.release()
         blocks = -(-self.max_model_len // self.block_size)
 
         def forward(b: DecodeBuffers) -> torch.Tensor:

@@ -89,17 +89,14 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> torch.Tensor:
     """logits [B, V] -> token ids [B] (on logits' device); NO_TOKEN where a row is unusable."""
     if all(p.greedy for p in params):
-        probs = logits
         best = logits.argmax(-1)
-        # argmax takes a NaN as the largest value, so a row holding one picks a NaN: one pass, not three
+        # argmax takes a NaN as the largest value, so a row holding one picks a NaN: one pass, not
+        # three; and with nothing to draw, no wait for the device here
         ok = ~torch.isnan(logits.gather(1, best.unsqueeze(1)).squeeze(1))
-    else:
-        probs = target_probs(logits, params)
-        ok = usable(probs)
-        best = probs.argmax(-1)
-    out = best.masked_fill(~ok, NO_TOKEN)
-    if all(p.greedy for p in params):
-        return out                   # nothing to draw: no wait for the device here
+        return best.masked_fill(~ok, NO_TOKEN)
+    probs = target_probs(logits, params)
+    ok = usable(probs)
+    out = probs.argmax(-1).masked_fill(~ok, NO_TOKEN)
     drawn = [i for i, (p, row_ok) in enumerate(zip(params, ok.tolist())) if not p.greedy and row_ok]
     if drawn:
         out[drawn] = draw_rows(probs[drawn], [generators[i] for i in drawn])
