@@ -38,8 +38,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("model", SHAPES)
 def test_triton_path_matches_the_pytorch_path(model: str) -> None:
-    fast, ref = engine(model), engine(model, kernels="torch")
-    try:
+    with engine(model) as fast, engine(model, kernels="torch") as ref:
         assert fast.ops.name == "triton" and fast.stats().graph_state == "on"
         prompt = fast.encode(PROMPT)
         tokens = greedy(fast, prompt)
@@ -48,40 +47,30 @@ def test_triton_path_matches_the_pytorch_path(model: str) -> None:
         assert disagreements(prompt, tokens, ref_logits, TIE, TIE_REL) == []
         assert relative(fast.prompt_logits(ids), ref_logits) < LOGIT_REL
         assert greedy(ref, prompt)[:4] == tokens[:4]          # no near-tie this early on these weights
-    finally:
-        fast.close()
-        ref.close()
 
 
 @pytest.mark.parametrize("model", SHAPES)
 def test_graph_decoding_matches_eager_decoding(model: str) -> None:
-    e = engine(model)
-    try:
+    with engine(model) as e:
         prompts = [e.encode(PROMPT), e.encode("hi"), e.encode("a somewhat longer prompt " * 20)]
         done = e.generate(prompts, SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True))
         assert e.stats().graph_replays >= TOKENS - 1
         for prompt, c in zip(prompts, done):
             assert disagreements(prompt, c.token_ids, e.prompt_logits(prompt + c.token_ids), TIE, TIE_REL) == []
-    finally:
-        e.close()
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_quantized_weights_decode_on_the_gpu(quant: str) -> None:
-    e = engine("random:smollm2-135m", quant=quant)
-    try:
+    with engine("random:smollm2-135m", quant=quant) as e:
         assert e.config.quant == quant
         prompt = e.encode(PROMPT)
         tokens = greedy(e, prompt)
         assert e.stats().graph_replays >= TOKENS - 1          # captured for the quantized weights
         assert disagreements(prompt, tokens, e.prompt_logits(prompt + tokens), TIE, TIE_REL) == []
-    finally:
-        e.close()
 
 
 def test_nvml_telemetry_is_live() -> None:
-    e = Engine(model="random:smollm2-135m", device="cuda", telemetry=True, kv_cache_mb=512)
-    try:
+    with Engine(model="random:smollm2-135m", device="cuda", telemetry=True, kv_cache_mb=512) as e:
         e.submit(e.encode(PROMPT), SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)).result()
         time.sleep(0.6)                       # a couple of sampling intervals
         s = e.stats()
@@ -90,8 +79,6 @@ def test_nvml_telemetry_is_live() -> None:
         assert s.device_util_pct is not None and 0 <= s.device_util_pct <= 100
         assert s.device_power_w and s.device_power_w > 10
         assert s.sm_clock_mhz and s.sm_clock_mhz > 100
-    finally:
-        e.close()
 
 
 def test_info_names_the_gpu() -> None:
