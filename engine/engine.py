@@ -21,6 +21,7 @@ import torch
 from . import settings
 from .block_manager import BlockManager
 from .config import EngineConfig, SamplingParams
+from .disaggregation.coordinator import Disaggregation
 from .errors import ContextTooLong, EngineClosed, KVCacheTooSmall
 from .loader import load, pick_device, pick_dtype
 from .memory import release_freed_memory
@@ -86,8 +87,12 @@ class Engine:
                                   self.max_model_len)
         if self.device.type == "cuda" and self.ops.name == "triton":
             self.scheduler.cost.fixed = self.runner.use_graphs(notices).mixed_step_extra
+        # Prompts prefilled by a worker process (--disaggregate); started once the step loop runs.
+        self.disagg = Disaggregation(self.runner, self.blocks, self.scheduler, self.kv_bytes_per_token,
+                                     fail=lambda seqs, e: self.outputs.fail(seqs, e),
+                                     post=lambda kind, arg: self.loop.post(kind, arg), notices=notices)
         self.settings = RuntimeSettings(cfg, notices, self.scheduler, self.blocks, self.speculative,
-                                        self.precision, self.runner)
+                                        self.precision, self.runner, self.disagg)
         # Layer-by-layer prefill reports on a CPU only: a GPU queues the layers in microseconds.
         self.outputs = OutputProcessor(self.tokenizer, self.loaded.eos_token_ids, self.max_model_len,
                                        self.scheduler, self.blocks, self.speculative,
@@ -102,10 +107,13 @@ class Engine:
         self.meter = StepMeter(self.kv_bytes_per_token)
         self._generator = torch.Generator(device=self.device).manual_seed(torch.seed() % 2**63)
         self.loop = StepLoop(step=self.step, has_work=lambda: self.scheduler.has_work,
-                             handlers={"add": self.outputs.admit, "cancel": self.outputs.cancel},
+                             handlers={"add": self._admit, "cancel": self._cancel, "disagg": self.disagg.on_message},
                              on_step_error=lambda e: self.outputs.fail(list(self.scheduler.running), e),
                              on_stop=lambda: self.outputs.finish_all("cancelled", EngineClosed("engine shut down")))
         self.loop.start()
+        self.disagg.apply(cfg)
+        if cfg.disaggregate:
+            self.disagg.wait_ready()          # (a worker that fails to start leaves a notice)
         # A script that never closes the engine would otherwise exit with the step thread still
         # inside torch, which aborts the process ("terminate called without an active exception").
         atexit.register(self.close)
@@ -135,6 +143,16 @@ class Engine:
         stream.put(ProgressEvent("queued", 0, len(ids), 0, seq.t_submit))
         self.loop.post("add", seq)
         return stream
+
+    def _admit(self, seq: Sequence) -> None:
+        """On the loop thread: a new request is tracked, then prefilled by the worker or here."""
+        self.outputs.admit(seq)
+        if not self.disagg.route(seq):
+            self.scheduler.add(seq)
+
+    def _cancel(self, request_id: str) -> None:
+        self.disagg.cancel(request_id)
+        self.outputs.cancel(request_id)
 
     def generate(self, prompts: Iterable[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                  *, system: str | None = None) -> list[Completion]:
@@ -180,6 +198,7 @@ class Engine:
         A fault in one request's sampling, detokenizing or stop handling ends that request alone;
         the forward itself failing ends the requests that took part in it."""
         t0 = time.perf_counter()
+        self.disagg.take_arrivals()                  # prompts the prefill worker handed over
         plan = self.scheduler.schedule()
         if plan.failed:
             self.outputs.fail(plan.failed, KVCacheTooSmall(
@@ -242,6 +261,7 @@ class Engine:
         self._closed = True
         atexit.unregister(self.close)
         self.loop.stop(timeout=30)
+        self.disagg.close()
         if self.monitor is not None:
             self.monitor.stop()
         # Weights and the KV pool are nearly all of the engine's memory: let them go even while a

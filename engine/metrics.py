@@ -41,6 +41,10 @@ class RequestMetrics:
     spec_mean_accepted: float | None = None   # accepted draft tokens per verify step
     preemptions: int = 0
     finish_reason: str | None = None
+    # disaggregated (--disaggregate): the K/V the prefill worker handed over, and from the end of
+    # its forward to the K/V in this engine's pool (null when the prompt was prefilled here)
+    kv_transfer_bytes: int | None = None
+    kv_transfer_ms: float | None = None
 
     @classmethod
     def of(cls, seq: Sequence) -> "RequestMetrics":
@@ -70,6 +74,8 @@ class RequestMetrics:
             spec_mean_accepted=seq.spec_accepted / seq.spec_steps if seq.spec_steps else None,
             preemptions=seq.preemptions,
             finish_reason=seq.finish_reason,
+            kv_transfer_bytes=seq.kv_transfer_bytes,
+            kv_transfer_ms=_ms(seq.t_prefilled, seq.t_kv_arrived),
         )
 
     def to_dict(self) -> dict:
@@ -124,6 +130,18 @@ class EngineStats:
     graph_replays: int = 0                   # decode steps run from a graph so far
     graph_rows: int | None = None            # the last replay: the batch's rows ...
     graph_size: int | None = None            # ... in the graph of this size (the rest padding)
+    # disaggregation (--disaggregate): the setting, the prefill worker's state (off, starting, idle,
+    # busy, "failed: why"), the prompts sent to it and not back yet, each side's cores, the link,
+    # and the hand-offs so far (count, bytes, the last one's time)
+    disaggregate: bool = False
+    prefill_worker: str = "off"
+    prefill_queue: int = 0
+    prefill_cores: str | None = None
+    decode_cores: str | None = None
+    kv_link: str = "shm"
+    kv_transfers: int = 0
+    kv_transfer_bytes: int = 0
+    kv_transfer_ms: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -181,6 +199,12 @@ def collect_stats(engine: "Engine") -> EngineStats:
         achieved_bandwidth=meter.bandwidth, cuda_graphs=cfg.cuda_graphs,
         graph_state=graphs_state(engine, graphs),
     )
+    d = engine.disagg
+    st.disaggregate, st.prefill_worker, st.prefill_queue, st.kv_link = (
+        cfg.disaggregate, d.worker_state(), len(d.at_worker), cfg.kv_link)
+    if d.state != "off":
+        st.prefill_cores, st.decode_cores = (",".join(map(str, c)) for c in d.cores)
+    st.kv_transfers, st.kv_transfer_bytes, st.kv_transfer_ms = d.transfers, d.transfer_bytes, d.last_transfer_ms
     if graphs is not None:
         st.graph_replays = graphs.replays
         st.graph_rows, st.graph_size = graphs.last or (None, None)

@@ -42,10 +42,10 @@ class OutputProcessor:
 
     # ---- requests arriving and leaving ----------------------------------------------------
     def admit(self, seq: Sequence) -> None:
+        """Track a new request (the engine then queues it, here or at a prefill worker)."""
         self.live[seq.request_id] = seq
         self._text[seq.request_id] = TextOutput(IncrementalDetokenizer(self.tokenizer, seq.prompt_ids),
                                                 seq.params.stop)
-        self.scheduler.add(seq)
 
     def cancel(self, request_id: str) -> None:
         if request_id in self.live:
@@ -87,7 +87,8 @@ class OutputProcessor:
         the step's tokens and predicted time (a UI moves the bar by them until the first report)."""
         for item in plan.items:
             seq = item.seq
-            if seq.t_first_token is None and seq.num_computed_tokens == (seq.num_cached_prompt_tokens or 0):
+            if seq.t_first_token is None and seq.num_computed_tokens == (seq.num_cached_prompt_tokens or 0) \
+                    and seq.t_prefilled is None:             # (not a prompt the prefill worker computed)
                 seq.sink.put(ProgressEvent("prefill", seq.num_computed_tokens, seq.num_prompt_tokens,
                                            seq.num_cached_prompt_tokens or 0, time.perf_counter(),
                                            layers=self.layers if item.num_tokens >= LAYER_PROGRESS_TOKENS else 0,

@@ -9,6 +9,7 @@ from typing import Any
 
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .disaggregation.coordinator import Disaggregation
 from .errors import InvalidRequest
 from .model_runner import ModelRunner
 from .precision import WeightPrecision
@@ -20,12 +21,13 @@ from .speculative import SpeculativeDecoder
 class RuntimeSettings:
     def __init__(self, config: EngineConfig, notices: list[str], scheduler: Scheduler,
                  blocks: BlockManager, speculative: SpeculativeDecoder, precision: WeightPrecision,
-                 runner: ModelRunner):
+                 runner: ModelRunner, disagg: Disaggregation):
         self.config = config
         self.notices = notices              # things a UI should tell the user once (take_notices)
         self._notices_taken = 0
         self.scheduler, self.blocks = scheduler, blocks
         self.speculative, self.precision, self.runner = speculative, precision, runner
+        self.disagg = disagg                # applied by the engine once its loop runs, then on each update
         self._set_quant(config.quant)
         self._set_spec(config.spec)
         speculative.weigh(not config.spec_always)
@@ -65,6 +67,7 @@ class RuntimeSettings:
             self._set_graphs()              # captured again at the next decode step
         if changes.keys() & {"prefix_cache", "kv_cache", "quant"}:
             self.blocks.set_prefix_cache(cfg.prefix_cache and cfg.kv_cache)
+        self.disagg.apply(self.config)      # start/stop the prefill worker, pass weights and link on
 
     def weigh(self, requests: int, drafted: bool, made: int, seconds: float) -> None:
         """What a decode-only step says of the optimizations in force (payoff.py): speculation

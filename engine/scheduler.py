@@ -92,6 +92,13 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence whose prompt was prefilled elsewhere (its K/V already in its blocks) joins
+        the batch; its next step computes the prompt's last token and samples."""
+        seq.status = Status.RUNNING
+        seq.admitted_order = next(self._admissions)
+        self.running.append(seq)
+
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or cancelled sequence and free its blocks."""
         if seq in self.running:

@@ -46,6 +46,11 @@ class Sequence:
     spec_off: bool = False                # speculation stopped for this request (low acceptance)
     spec_recent: list[tuple[int, int]] = field(default_factory=list)   # (drafted, accepted)
     draft_computed: int = 0               # positions whose draft-model K/V are in the cache
+    # disaggregated prefill (engine/disaggregation): when the prefill worker finished this prompt,
+    # when its K/V were in this engine's pool, and how many bytes crossed
+    t_prefilled: float | None = None
+    t_kv_arrived: float | None = None
+    kv_transfer_bytes: int | None = None
     generator: Any = None                 # torch.Generator of a seeded request
     sink: Any = None                      # where events go (a RequestStream)
 

@@ -221,6 +221,24 @@ SETTINGS: tuple[Setting, ...] = (
             label="CUDA graphs",
             help="replay each decode step from a captured CUDA graph: one launch instead of hundreds "
                  "(GPU with the Triton kernels; off = launch every kernel from Python)"),
+    Setting("disaggregate", ENGINE, bool, False, runtime=True, toggle=True, group="disaggregation",
+            label="disaggregate",
+            help="prefill prompts in a second process on cores of its own and hand their KV cache to this "
+                 "one, which only decodes: streams never wait for a prefill, a newcomer's TTFT pays the transfer"),
+    Setting("prefill_cores", ENGINE, int, None, nullable=True, low=1, high=_CPUS, metavar="N",
+            group="disaggregation",
+            help="with --disaggregate: cores of the prefill worker (default: half, at least 1); "
+                 "decoding keeps the rest"),
+    Setting("kv_link", ENGINE, str, "shm", choices=("shm", "socket"), group="disaggregation",
+            label="KV link",
+            help="how the prefill worker hands KV over: shm = shared memory, socket = a TCP connection "
+                 "(a network hop, see --kv-link-gbps and --kv-link-ms)"),
+    Setting("kv_link_gbps", ENGINE, float, None, nullable=True, low=0, low_open=True, runtime=True,
+            words=(("off", None),), metavar="GB/S", group="disaggregation", label="KV link GB/s",
+            help="simulated bandwidth of the KV hand-off in GB per second (off = as fast as the link)"),
+    Setting("kv_link_ms", ENGINE, float, 0.0, low=0, high=10_000, runtime=True, metavar="MS",
+            group="disaggregation", label="KV link latency",
+            help="simulated latency added to each KV hand-off, in milliseconds"),
     # More threads than CPUs only slows torch down, and enough of them abort the process (libgomp).
     Setting("threads", ENGINE, int, None, nullable=True, low=1, high=_CPUS, metavar="N", group="model and device",
             help="CPU threads for torch (default: torch's choice)"),

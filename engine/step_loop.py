@@ -41,7 +41,8 @@ class StepLoop:
 
     def _run(self) -> None:
         while True:
-            self._drain()
+            with self.lock:            # handlers change engine state, as Engine.update may from another thread
+                self._drain()
             if self._stopping:
                 self._on_stop()
                 return

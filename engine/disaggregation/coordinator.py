@@ -1,0 +1,265 @@
+"""The engine's side of disaggregated serving: it starts and stops the prefill worker, routes new
+prompts to it, takes the K/V it hands back into the engine's own pool, and says how both sides are
+doing (EngineStats). Everything here but the receiving thread runs on the engine's loop thread:
+the receiver only posts what arrives (StepLoop.post("disagg", message)).
+
+A request at the worker is not in the scheduler; once its K/V are in the pool it joins the running
+batch with every prompt token but the last computed, so its next decode step samples its first
+token. If the worker fails or is turned off, the prompts it held are prefilled here as before: no
+request is lost.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+from ..block_manager import BlockManager
+from ..config import EngineConfig
+from ..errors import EngineError
+from ..model_runner import ModelRunner
+from ..scheduler import Scheduler
+from ..sequence import Sequence
+from ..stream import ProgressEvent
+from .cores import pin_process, split_cores, unpin_process
+from .link import Handoff, KvReceiver, SimulatedLink
+from .prefill_worker import log_file
+
+# How long `pdchat run --disaggregate` or a benchmark waits for the worker to load the model.
+READY_TIMEOUT_S = 600
+
+
+class Disaggregation:
+    def __init__(self, runner: ModelRunner, blocks: BlockManager, scheduler: Scheduler, kv_bytes_per_token: int,
+                 fail: Callable[[list[Sequence], Exception], None], post: Callable[[str, Any], None],
+                 notices: list[str]):
+        self.runner, self.blocks, self.scheduler = runner, blocks, scheduler
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self._fail, self._post, self.notices = fail, post, notices
+        self.state = "off"                          # off | starting | ready | failed: why
+        self.link = SimulatedLink()
+        self.kind = "shm"
+        self.cores: tuple[list[int], list[int]] = ([], [])
+        self.at_worker: dict[str, Sequence] = {}    # sent, K/V not back yet (in order)
+        self.prefilling: str | None = None          # the request the worker is computing
+        self.arrived: deque[Handoff] = deque()      # K/V here, waiting for room in the pool
+        self.transfers = 0
+        self.transfer_bytes = 0
+        self.last_transfer_ms: float | None = None
+        self._process: Any = None
+        self._control: Any = None
+        self._receiver: KvReceiver | None = None
+        self._pinned: Any = None                    # the cores and threads before pinning
+        self._threads: int | None = None
+        self._settings: tuple[str, bool] | None = None
+        self.ready = threading.Event()
+
+    # ---- settings -------------------------------------------------------------------------
+    def apply(self, cfg: EngineConfig) -> None:
+        """The settings in force (at start and after each update): start or stop the worker, pass
+        weight precision and prefix caching on to it, and set the simulated link."""
+        self.link.gbps, self.link.latency_ms = cfg.kv_link_gbps, cfg.kv_link_ms
+        if cfg.disaggregate and self.state == "off":
+            self.start(cfg)
+        elif not cfg.disaggregate and self.state != "off":
+            self.stop()
+        if self._control is not None and self._settings != (cfg.quant, cfg.prefix_cache):
+            self._settings = (cfg.quant, cfg.prefix_cache)
+            self._send(("settings", cfg.quant, cfg.prefix_cache))
+
+    def start(self, cfg: EngineConfig) -> None:
+        """Start the worker (it loads the model in the background; prompts are prefilled here
+        until it says it is ready). A separate interpreter (`python -m`), not multiprocessing's
+        spawn, which would run the caller's main script again in the child."""
+        self.kind, self._threads = cfg.kv_link, cfg.threads
+        self.cores = split_cores(cfg.prefill_cores)
+        staging = min(self.runner.max_model_len, self.blocks.num_blocks * self.blocks.block_size) * self.kv_bytes_per_token
+        self._receiver = receiver = KvReceiver(cfg.kv_link, self.link, staging)
+        self._settings = (cfg.quant, cfg.prefix_cache)
+        ours, theirs = socket.socketpair()
+        fds = [theirs.fileno()] + ([receiver.worker_fd] if receiver.worker_fd is not None else [])
+        # The child finds pdchat where this process found it (an installed package or a checkout).
+        env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        with open(log_file(), "w") as log:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "pdchat.engine.disaggregation.prefill_worker", *map(str, fds)],
+                pass_fds=fds, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+                start_new_session=True)           # the terminal's Ctrl-C is the engine's to handle
+        for fd in fds[1:]:
+            os.close(fd)
+        theirs.close()
+        self._control = Connection(ours.detach())
+        self.state = "starting"
+        self.ready.clear()
+        self._send((cfg, self.cores[0], receiver.spec))      # (a worker gone already is "lost")
+        threading.Thread(target=self._receive, args=(self._control, receiver), daemon=True,
+                         name="pdchat-kv-receiver").start()
+
+    def stop(self) -> list[Sequence]:
+        """Stop the worker; the prompts it held are prefilled here (the scheduler takes them)."""
+        if self.state == "off":
+            return []
+        self.state = "off"
+        self.ready.set()                      # nobody waits for a worker that is gone
+        self._send(("stop",))
+        if self._process is not None:
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+        for end in (self._control, self._receiver):
+            if end is not None:
+                end.close()
+        self._process = self._control = self._receiver = None
+        if self._pinned is not None:
+            unpin_process(self._pinned)
+            self._pinned = None
+        return self._take_back()
+
+    def _take_back(self) -> list[Sequence]:
+        back = [s for s in self.at_worker.values() if not s.finished]
+        self.at_worker.clear()
+        self.arrived.clear()
+        self.prefilling = None
+        for seq in back:
+            self.scheduler.add(seq)
+        return back
+
+    # ---- requests -------------------------------------------------------------------------
+    def route(self, seq: Sequence) -> bool:
+        """Send a new prompt to the worker; False: it is prefilled here (no ready worker, the KV
+        cache off, or a one-token prompt with nothing to prefill)."""
+        if self.state != "ready" or not self.scheduler.kv_cache or seq.num_prompt_tokens < 2:
+            return False
+        self.at_worker[seq.request_id] = seq
+        self._send(("prefill", seq.request_id, seq.prompt_ids, seq.namespace))
+        return True
+
+    def cancel(self, request_id: str) -> None:
+        if self.at_worker.pop(request_id, None) is not None:
+            self._send(("cancel", request_id))
+
+    def take_arrivals(self) -> None:
+        """Move hand-offs into the pool while the batch and the pool have room (each step, and as
+        each arrives); the rest wait in order."""
+        while self.arrived and len(self.scheduler.running) < self.scheduler.max_num_seqs:
+            handoff = self.arrived[0]
+            seq = self.at_worker.get(handoff.request_id)
+            if seq is None or seq.finished:          # cancelled while at the worker
+                self.arrived.popleft()
+                continue
+            tokens = handoff.kv.shape[2]
+            if not self.blocks.ensure_capacity(seq, tokens + 1):
+                return
+            self.arrived.popleft()
+            del self.at_worker[handoff.request_id]
+            self.runner.write_kv(seq.block_table, handoff.kv)
+            now = time.perf_counter()
+            seq.num_computed_tokens = tokens
+            seq.t_prefilled, seq.t_kv_arrived, seq.kv_transfer_bytes = handoff.t_prefilled, now, handoff.nbytes
+            self.blocks.record_lookup(seq.num_prompt_tokens, handoff.cached)
+            self.transfers += 1
+            self.transfer_bytes += handoff.nbytes
+            self.last_transfer_ms = (now - handoff.t_prefilled) * 1000
+            self.scheduler.add_running(seq)
+
+    # ---- what the worker says (posted by the receiver, handled on the loop thread) ------------
+    def on_message(self, message: tuple) -> None:
+        kind = message[0]
+        seq = self.at_worker.get(message[1]) if len(message) > 1 and isinstance(message[1], str) else None
+        if kind == "ready":
+            self._ready(message[1])
+        elif kind == "started" and seq is not None:
+            _, rid, cached, t = message
+            self.prefilling = rid
+            seq.t_first_scheduled = seq.t_first_scheduled or t
+            seq.num_cached_prompt_tokens = cached
+            seq.sink.put(ProgressEvent("prefill", cached, seq.num_prompt_tokens, cached, t))
+        elif kind == "layer" and seq is not None:
+            _, rid, done, layers, t = message
+            cached = seq.num_cached_prompt_tokens or 0
+            seq.sink.put(ProgressEvent("prefill", cached, seq.num_prompt_tokens, cached, t, layers_done=done,
+                                       layers=layers, step_tokens=seq.num_prompt_tokens - 1 - cached))
+        elif kind == "transfer" and seq is not None:
+            _, rid, t = message
+            self.prefilling = None if self.prefilling == rid else self.prefilling
+            seq.sink.put(ProgressEvent("transfer", seq.num_prompt_tokens - 1, seq.num_prompt_tokens,
+                                       seq.num_cached_prompt_tokens or 0, t))
+        elif kind == "handoff":
+            self.arrived.append(message[1])
+            self.take_arrivals()
+        elif kind == "failed" and self.at_worker.pop(message[1], None) is not None:
+            self.prefilling = None
+            self._fail([seq], EngineError(message[2]))
+        elif kind in ("fatal", "lost"):
+            self._lost(message[1])
+
+    def _ready(self, worker_notices: list[str]) -> None:
+        if self.state != "starting":
+            return
+        self._receiver.connect()
+        self.state = "ready"
+        self.notices.extend(f"prefill worker: {n}" for n in worker_notices)
+        prefill, decode = self.cores
+        self._pinned = pin_process(decode, self._threads)
+        self.notices.append(f"disaggregated: prompts are prefilled on {_cores(prefill)}, streams decode on "
+                            f"{_cores(decode)}; K/V cross by {self.kind}")
+        self.ready.set()
+
+    def _lost(self, why: str) -> None:
+        if self.state == "off" or self.state.startswith("failed"):   # stopping, or already said
+            return
+        self.state = f"failed: {why}"
+        self.notices.append(f"the prefill worker stopped ({why}; its log: {log_file()}); "
+                            f"prompts are prefilled in this process again")
+        self._process = None
+        if self._pinned is not None:
+            unpin_process(self._pinned)
+            self._pinned = None
+        self._take_back()
+        self.ready.set()
+
+    # ---- the receiving thread --------------------------------------------------------------
+    def _receive(self, control: Any, receiver: KvReceiver) -> None:
+        """Read the worker's messages until its pipe closes; K/V arrive through the receiver (and
+        its simulated link), everything else is posted as it is."""
+        try:
+            while True:
+                message = control.recv()
+                if message[0] == "kv":
+                    self._post("disagg", ("transfer", message[1], message[4]))
+                    message = ("handoff", receiver.receive(message))
+                self._post("disagg", message)
+        except (EOFError, OSError) as e:
+            self._post("disagg", ("lost", f"its connection closed: {type(e).__name__}"))
+
+    def _send(self, message: tuple) -> None:
+        try:
+            if self._control is not None:
+                self._control.send(message)
+        except (BrokenPipeError, OSError) as e:
+            self._post("disagg", ("lost", f"it cannot be reached: {e}"))
+
+    # ---- what the panel shows ---------------------------------------------------------------
+    def worker_state(self) -> str:
+        if self.state == "ready":
+            return "busy" if self.prefilling or self.at_worker else "idle"
+        return self.state
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> bool:
+        """Block until the worker is ready or failed; True when it is ready."""
+        self.ready.wait(timeout)
+        return self.state == "ready"
+
+    def close(self) -> None:
+        self.stop()
+
+
+def _cores(cores: list[int]) -> str:
+    return ("core " if len(cores) == 1 else "cores ") + ", ".join(map(str, cores))

@@ -1,0 +1,162 @@
+"""The K/V hand-off from the prefill worker to the decoding engine.
+
+Two transports, chosen by `--kv-link`:
+- shm: a staging area in shared memory that both processes map (a file in /dev/shm); the worker
+  writes a prompt's K/V there, the engine copies them out and says so, and the area is free again.
+- socket: the bytes cross a TCP connection on the loopback interface, as they would between two
+  machines (the worker proves who it is with a token the engine gave it).
+
+Either way the receiving side can simulate a slower link: a hand-off is delivered no earlier than
+latency + bytes / bandwidth after the worker finished the prompt (`--kv-link-gbps`, `--kv-link-ms`),
+so one can watch where the transfer starts to cost more than the interference it removes.
+Times are time.perf_counter(): on Linux and macOS a monotonic clock that both processes share.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Client, Connection, Listener
+from pathlib import Path
+
+import torch
+
+
+def kv_transfer_bytes(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, tokens: int) -> int:
+    """What a hand-off of `tokens` tokens moves: K and V, every layer, every KV head."""
+    return 2 * layers * kv_heads * head_dim * dtype_bytes * tokens
+
+
+@dataclass
+class Handoff:
+    """One prompt's K/V on its way from the prefill worker into the engine's pool."""
+    request_id: str
+    kv: torch.Tensor         # [2, layers, tokens, kv heads, head dim]
+    cached: int              # prompt tokens the worker's prefix cache already held
+    t_prefilled: float       # the worker finished the prompt's forward
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """What the worker needs to send: the transport, and where its data goes (the TCP address and
+    the token, or the staging file and its size)."""
+    kind: str                                   # "shm" | "socket"
+    address: tuple[str, int] | None = None
+    token: bytes = b""
+    staging: str = ""
+    staging_bytes: int = 0
+
+
+class SimulatedLink:
+    """A link's bandwidth (GB/s, None: unlimited) and latency (ms), applied on the receiving side."""
+
+    def __init__(self) -> None:
+        self.gbps: float | None = None
+        self.latency_ms = 0.0
+
+    def delivery_time(self, t_sent: float, nbytes: int) -> float:
+        wire = nbytes / (self.gbps * 1e9) if self.gbps else 0.0
+        return t_sent + self.latency_ms / 1000 + wire
+
+
+def _staging_tensor(path: str, nbytes: int) -> torch.Tensor:
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
+class KvSender:
+    """The worker's end: sends a finished prompt's K/V (header on the control pipe, bytes by the link)."""
+
+    def __init__(self, spec: LinkSpec, control: Connection, data: Connection):
+        self.control, self.data = control, data
+        self.staging = _staging_tensor(spec.staging, spec.staging_bytes) if spec.kind == "shm" else None
+
+    @classmethod
+    def connect(cls, spec: LinkSpec, control: Connection, data_fd: int | None) -> "KvSender":
+        if spec.kind == "socket":
+            data = Client(spec.address)
+            data.send_bytes(spec.token)
+        else:
+            data = Connection(data_fd)
+        return cls(spec, control, data)
+
+    def send(self, request_id: str, kv: torch.Tensor, cached: int, t_prefilled: float) -> None:
+        header = ("kv", request_id, tuple(kv.shape), kv.dtype, cached, t_prefilled)
+        raw = kv.reshape(-1).view(torch.uint8)
+        if self.staging is None:
+            self.control.send(header)            # then the bytes, which the engine reads after it
+            self.data.send_bytes(raw.numpy())
+            return
+        self.staging[:raw.numel()].copy_(raw)    # the bytes first: the header says they are there
+        self.control.send(header)
+        self.data.recv_bytes()                   # the engine copied them out: the area is free again
+
+    def close(self) -> None:
+        self.data.close()
+
+
+class KvReceiver:
+    """The engine's end. Made before the worker starts (the worker connects to it); turns a "kv"
+    header into a Handoff, delayed as the simulated link says."""
+
+    def __init__(self, kind: str, link: SimulatedLink, staging_bytes: int):
+        self.link = link
+        self._listener: Listener | None = None
+        self._data: Connection | None = None
+        self._staging: torch.Tensor | None = None
+        self.worker_fd: int | None = None          # shm: the worker's end of the acknowledgements
+        if kind == "socket":
+            self._listener = Listener(("127.0.0.1", 0))
+            self._token = secrets.token_bytes(16)
+            self.spec = LinkSpec(kind, self._listener.address, self._token)
+        else:
+            folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+            path = Path(folder) / f"pdchat-kv-{os.getpid()}-{secrets.token_hex(4)}"
+            self._staging = _staging_tensor(str(path), staging_bytes)
+            self._path = path
+            ours, theirs = socket.socketpair()
+            self._data, self.worker_fd = Connection(ours.detach()), theirs.detach()
+            self.spec = LinkSpec(kind, staging=str(path), staging_bytes=staging_bytes)
+
+    def connect(self) -> None:
+        """Once the worker is ready: accept its data connection (socket: it connected before it
+        said so; one without the token is not the worker's and is refused), or forget the
+        staging file's name (shm: both sides have it mapped)."""
+        if self._listener is None:
+            self._path.unlink(missing_ok=True)
+            return
+        while self._data is None:
+            conn = self._listener.accept()
+            if secrets.compare_digest(conn.recv_bytes(64), self._token):
+                self._data = conn
+            else:
+                conn.close()
+
+    def receive(self, message: tuple) -> Handoff:
+        _, request_id, shape, dtype, cached, t_prefilled = message
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if self._staging is not None:
+            raw = self._staging[:nbytes].clone()
+            self._data.send_bytes(b"free")
+        else:
+            buf = bytearray(nbytes)
+            self._data.recv_bytes_into(buf)
+            raw = torch.frombuffer(buf, dtype=torch.uint8)
+        handoff = Handoff(request_id, raw.view(dtype).view(shape), cached, t_prefilled)
+        wait = self.link.delivery_time(t_prefilled, handoff.nbytes) - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        return handoff
+
+    def close(self) -> None:
+        for end in (self._data, self._listener):
+            if end is not None:
+                end.close()
+        if self._staging is not None:
+            self._path.unlink(missing_ok=True)

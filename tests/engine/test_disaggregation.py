@@ -1,0 +1,202 @@
+"""Disaggregated prefill and decode (engine/disaggregation): a worker process prefills, the engine
+decodes from the K/V it hands over. Same greedy tokens as one process, the bytes the formula says,
+the link's simulated cost, cancels, a worker that dies or never starts, and turning it on and off
+while the engine runs (the process's cores and threads come back)."""
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+import torch
+
+from pdchat.engine import Engine, SamplingParams, TokenEvent
+from pdchat.engine.disaggregation import coordinator
+from pdchat.engine.disaggregation.cores import CAN_PIN, split_cores
+from pdchat.engine.disaggregation.link import SimulatedLink, kv_transfer_bytes
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def prompts(seed: int = 3) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(1, 250) for _ in range(40)]
+    return [shared + [rng.randrange(1, 250) for _ in range(n)] for n in (3, 60, 300)] + [[7, 8]]
+
+
+def engine(**kw) -> Engine:
+    return Engine(model="random:tiny", telemetry=False, kv_cache_mb=16, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    with engine(prefix_cache=False) as e:
+        return [e.submit(p, GREEDY).result().token_ids for p in prompts()]
+
+
+def formula(e: Engine, tokens: int) -> int:
+    mc = e.model_config
+    return kv_transfer_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, torch.empty((), dtype=e.dtype).element_size(),
+                             tokens)
+
+
+@pytest.mark.parametrize("link", ["shm", "socket"])
+def test_same_tokens_and_the_bytes_the_formula_says(reference, link):
+    before = os.sched_getaffinity(0) if CAN_PIN else None
+    with engine(disaggregate=True, kv_link=link) as e:
+        assert e.stats().prefill_worker == "idle"
+        done = e.generate(prompts())
+        assert [c.token_ids for c in e.generate(prompts(), GREEDY)] == reference
+        st = e.stats()
+        assert st.kv_transfers == 2 * len(prompts())
+        for c in done:
+            m = c.metrics
+            assert m.kv_transfer_bytes == formula(e, m.prompt_tokens - 1)
+            assert m.kv_transfer_ms is not None and 0 <= m.kv_transfer_ms < m.ttft_ms
+        if CAN_PIN and len(before) > 1:
+            prefill, decode = split_cores(None, sorted(before))
+            assert os.sched_getaffinity(0) == set(decode)
+            assert (st.prefill_cores, st.decode_cores) == (",".join(map(str, prefill)), ",".join(map(str, decode)))
+    if CAN_PIN:
+        assert os.sched_getaffinity(0) == before            # closing gives the cores back
+
+
+def test_the_workers_prefix_cache_serves_a_repeated_prompt(reference):
+    with engine(disaggregate=True) as e:
+        first = e.submit(prompts()[2], GREEDY).result()
+        again = e.submit(prompts()[2], GREEDY).result()
+    assert first.token_ids == again.token_ids == reference[2]
+    assert first.metrics.cached_prompt_tokens == 0
+    assert again.metrics.cached_prompt_tokens >= 16 * ((len(prompts()[2]) - 2) // 16)
+    assert again.metrics.kv_transfer_bytes == first.metrics.kv_transfer_bytes   # still all of it crosses
+
+
+def test_a_simulated_link_costs_latency_plus_bytes_over_bandwidth(reference):
+    with engine(disaggregate=True) as e:
+        e.update(kv_link_ms=150.0, kv_link_gbps=0.001)         # 1 MB/s
+        c = e.submit(prompts()[1], GREEDY).result()
+        assert c.token_ids == reference[1]
+        wire_ms = c.metrics.kv_transfer_bytes / 1e6 * 1000
+        assert c.metrics.kv_transfer_ms >= 150 + wire_ms
+        e.update(kv_link_ms=0.0, kv_link_gbps=None)
+        assert e.submit(prompts()[1], GREEDY).result().metrics.kv_transfer_ms < 150
+
+
+def test_delivery_time():
+    link = SimulatedLink()
+    assert link.delivery_time(10.0, 10**9) == 10.0
+    link.gbps, link.latency_ms = 2.0, 10.0
+    assert link.delivery_time(10.0, 10**9) == pytest.approx(10.0 + 0.010 + 0.5)
+
+
+def test_cancel_at_the_worker_leaves_the_others_alone(reference):
+    with engine(disaggregate=True, kv_link_ms=300.0) as e:
+        doomed = e.submit(prompts()[2], GREEDY)
+        other = e.submit(prompts()[1], GREEDY)
+        time.sleep(0.05)
+        doomed.cancel()
+        assert doomed.result().finish_reason == "cancelled"
+        assert other.result().token_ids == reference[1]
+        e.update(kv_link_ms=0.0)
+        assert e.submit(prompts()[0], GREEDY).result().token_ids == reference[0]
+        assert e.stats().prefill_queue == 0
+
+
+def test_a_worker_that_dies_hands_its_prompts_back(reference):
+    with engine(disaggregate=True, kv_link_ms=400.0) as e:
+        streams = [e.submit(p, GREEDY) for p in prompts()]
+        time.sleep(0.1)
+        e.disagg._process.kill()
+        assert [s.result().token_ids for s in streams] == reference
+        notices = e.take_notices()
+        assert any("prefill worker stopped" in n for n in notices)
+        assert e.stats().prefill_worker.startswith("failed")
+        assert e.submit(prompts()[0], GREEDY).result().metrics.kv_transfer_bytes is None   # prefilled here
+
+
+def test_a_worker_that_never_starts_leaves_the_engine_colocated(reference, monkeypatch):
+    monkeypatch.setattr(coordinator.sys, "executable", "/bin/false")
+    with engine(disaggregate=True) as e:
+        assert e.stats().prefill_worker.startswith("failed")
+        assert any("prefill worker stopped" in n for n in e.take_notices())
+        assert e.submit(prompts()[1], GREEDY).result().token_ids == reference[1]
+
+
+def test_turned_on_and_off_while_a_stream_runs(reference):
+    before = os.sched_getaffinity(0) if CAN_PIN else None
+    threads = torch.get_num_threads()
+    with engine() as e:
+        stream = e.submit([5, 6, 7], SamplingParams(max_tokens=10**6, temperature=0, ignore_eos=True))
+        next(ev for ev in stream if isinstance(ev, TokenEvent))
+        e.update(disaggregate=True)
+        assert e.disagg.wait_ready(120)
+        c = e.submit(prompts()[2], GREEDY).result()
+        assert c.token_ids == reference[2] and c.metrics.kv_transfer_bytes
+        e.update(disaggregate=False)
+        assert e.stats().prefill_worker == "off" and e.stats().prefill_cores is None
+        if CAN_PIN:
+            assert os.sched_getaffinity(0) == before
+        assert torch.get_num_threads() == threads
+        c = e.submit(prompts()[1], GREEDY).result()
+        assert c.token_ids == reference[1] and c.metrics.kv_transfer_bytes is None
+        stream.cancel()
+
+
+def test_turning_it_off_prefills_here_what_the_worker_held(reference):
+    with engine(disaggregate=True, kv_link_ms=500.0) as e:
+        streams = [e.submit(p, GREEDY) for p in prompts()[:3]]
+        time.sleep(0.1)
+        e.update(disaggregate=False)
+        assert [s.result().token_ids for s in streams] == reference[:3]
+
+
+def test_split_cores():
+    assert split_cores(None, [0, 1]) == ([0], [1])
+    assert split_cores(None, [0, 1, 2, 3]) == ([0, 1], [2, 3])
+    assert split_cores(3, [0, 1, 2, 3]) == ([0, 1, 2], [3])
+    assert split_cores(8, [0, 1, 2, 3]) == ([0, 1, 2], [3])      # decoding keeps one
+    assert split_cores(None, [5]) == ([5], [5])                  # one core: shared
+
+
+def test_read_kv_then_write_kv_round_trips(tiny_engine):
+    runner = tiny_engine.runner
+    torch.manual_seed(0)
+    runner.k_cache.normal_()
+    runner.v_cache.normal_()
+    table = [3, 1, 4]
+    kv = runner.read_kv(table, 37)
+    bs = runner.block_size
+    assert kv.shape == (2, runner.k_cache.shape[0], 37, runner.k_cache.shape[3], runner.k_cache.shape[4])
+    assert torch.equal(kv[0, :, bs + 2], runner.k_cache[:, 1, 2])
+    target = [6, 0, 2]
+    runner.write_kv(target, kv)
+    assert torch.equal(runner.read_kv(target, 37), kv)
+
+
+def test_a_small_pool_makes_hand_offs_wait_for_room(reference):
+    """Four prompts of up to 343 tokens, a decode pool of 640 tokens: hand-offs wait in order until
+    finished requests free their blocks, and every output is still the reference's."""
+    with Engine(model="random:tiny", telemetry=False, num_kv_blocks=40, disaggregate=True) as e:
+        assert [c.token_ids for c in e.generate(prompts(), GREEDY)] == reference
+
+
+def test_the_worker_follows_a_switch_of_weights():
+    """int4 K/V from the worker and int4 decoding here: the tokens of an engine started in int4.
+    (Its last prompt token runs the one-row int4 kernel, whose int8 activations round otherwise
+    than a long prefill's: so the reference is a disaggregated engine, not a colocated one. With the
+    worker left in fp32 the tokens differ from the second on.)"""
+    p = prompts()[2]
+    with engine(disaggregate=True, quant="int4") as e:
+        int4 = e.submit(p, GREEDY).result().token_ids
+    with engine(disaggregate=True) as e:
+        fp32 = e.submit(p, GREEDY).result().token_ids
+        e.update(quant="int4")
+        assert e.submit(p, GREEDY).result().token_ids == int4
+    assert fp32 != int4          # (else this test could not tell the weights apart)
+
+
+@pytest.mark.parametrize("spec", [dict(spec="ngram"), dict(spec="draft", draft_model="random:tiny")])
+def test_speculation_decodes_from_handed_over_kv(reference, spec):
+    with engine(disaggregate=True, spec_always=True, **spec) as e:
+        assert [c.token_ids for c in e.generate(prompts(), GREEDY)] == reference
