@@ -97,19 +97,27 @@ class ModelRunner:
     def kv_bytes_total(self) -> int:
         return 2 * self.k_cache.numel() * self.k_cache.element_size()
 
-    def read_kv(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+    def read_kv(self, block_table: list[int], num_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """The K and V of a sequence's first num_tokens tokens, [2, layers, tokens, kv heads, head
-        dim], contiguous: what a prefill worker hands to a decode worker."""
-        blocks = torch.tensor(block_table[:-(-num_tokens // self.block_size)], dtype=torch.long, device=self.device)
-        return torch.stack([cache[:, blocks].flatten(1, 2)[:, :num_tokens] for cache in (self.k_cache, self.v_cache)])
+        dim], into `out` if given (a link's send area): what a prefill worker hands over."""
+        slots = self._slots(block_table, num_tokens)
+        if out is None:
+            out = self.k_cache.new_empty((2, self.k_cache.shape[0], num_tokens, *self.k_cache.shape[3:]))
+        for cache, part in zip((self.k_cache, self.v_cache), out):
+            torch.index_select(cache.flatten(1, 2), 1, slots, out=part)
+        return out
 
     def write_kv(self, block_table: list[int], kv: torch.Tensor) -> None:
         """Put read_kv's tensor for tokens 0.. into the slots of block_table (a hand-off arriving)."""
-        bs = self.block_size
-        slots = torch.tensor([block_table[p // bs] * bs + p % bs for p in range(kv.shape[2])],
-                             dtype=torch.long, device=self.device)
+        slots = self._slots(block_table, kv.shape[2])
         for cache, part in zip((self.k_cache, self.v_cache), kv):
             cache.flatten(1, 2).index_copy_(1, slots, part.to(self.device, cache.dtype))
+
+    def _slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+        """The pool slots of tokens 0..num_tokens-1 (a cache flattened to [layers, slots, ...])."""
+        bs = self.block_size
+        return torch.tensor([block_table[p // bs] * bs + p % bs for p in range(num_tokens)],
+                            dtype=torch.long, device=self.device)
 
     def run_step(self, items: list[ScheduledSeq], drafts: dict[int, list[int]],
                  on_layer: Callable[[int], None] | None = None) -> StepLogits:

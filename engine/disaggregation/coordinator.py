@@ -125,7 +125,8 @@ class Disaggregation:
     def _take_back(self) -> list[Sequence]:
         back = [s for s in self.at_worker.values() if not s.finished]
         self.at_worker.clear()
-        self.arrived.clear()
+        while self.arrived:
+            self.arrived.popleft().release()
         self.prefilling = None
         for seq in back:
             self.scheduler.add(seq)
@@ -152,7 +153,7 @@ class Disaggregation:
             handoff = self.arrived[0]
             seq = self.at_worker.get(handoff.request_id)
             if seq is None or seq.finished:          # cancelled while at the worker
-                self.arrived.popleft()
+                self.arrived.popleft().release()
                 continue
             tokens = handoff.kv.shape[2]
             if not self.blocks.ensure_capacity(seq, tokens + 1):
@@ -160,6 +161,7 @@ class Disaggregation:
             self.arrived.popleft()
             del self.at_worker[handoff.request_id]
             self.runner.write_kv(seq.block_table, handoff.kv)
+            handoff.release()
             now = time.perf_counter()
             seq.num_computed_tokens = tokens
             seq.t_prefilled, seq.t_kv_arrived, seq.kv_transfer_bytes = handoff.t_prefilled, now, handoff.nbytes

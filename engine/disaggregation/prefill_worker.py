@@ -120,8 +120,9 @@ class PrefillWorker:
                 self.runner.forward([Work(token_ids[cached:n], cached, seq.block_table)], [[]],
                                     self._on_layer(request_id, n - cached))
             self.blocks.commit(seq, n)
-            kv = self.runner.read_kv(seq.block_table, n)
-            t_done = time.perf_counter()
+            t_done = time.perf_counter()             # the hand-off starts: reading K/V into the link's area
+            k = self.runner.k_cache
+            kv = self.runner.read_kv(seq.block_table, n, self.sender.area((2, k.shape[0], n, *k.shape[3:]), k.dtype))
             self.sender.send(request_id, kv, cached, t_done)
         except (EOFError, OSError):
             raise
