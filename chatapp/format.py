@@ -56,7 +56,8 @@ def count(v: int | None) -> str:
 
 
 def summary(m: dict[str, Any] | None, prefill_rate: bool = False) -> str:
-    """One line per reply: TTFT · prompt (cached) [· prefill rate] · output @ rate · TPOT · spec."""
+    """One line per reply: TTFT · prompt (cached) [· prefill rate] [· KV transfer] · output @ rate ·
+    TPOT · spec."""
     if not m:
         return ""
     parts = [f"TTFT {ms(m.get('ttft_ms'))}"]
@@ -66,6 +67,8 @@ def summary(m: dict[str, Any] | None, prefill_rate: bool = False) -> str:
     parts.append(prompt)
     if prefill_rate:
         parts.append(f"prefill {rate(m.get('prefill_tok_s'))}")
+    if m.get("kv_transfer_ms") is not None:        # prefilled by another process (disaggregated)
+        parts.append(f"KV transfer {size(m.get('kv_transfer_bytes'))} in {ms(m['kv_transfer_ms'])}")
     parts.append(f"{count(m.get('output_tokens'))} tok @ {rate(m.get('decode_tok_s'))}")
     parts.append(f"TPOT {ms(m.get('tpot_ms'))}")
     if m.get("spec_method"):

@@ -131,17 +131,21 @@ class EngineStats:
     graph_rows: int | None = None            # the last replay: the batch's rows ...
     graph_size: int | None = None            # ... in the graph of this size (the rest padding)
     # disaggregation (--disaggregate): the setting, the prefill worker's state (off, starting, idle,
-    # busy, "failed: why"), the prompts sent to it and not back yet, each side's cores, the link,
-    # and the hand-offs so far (count, bytes, the last one's time)
+    # busy, "failed: why"), the prompts sent to it and not back yet, each side's cores, the link and
+    # its simulated bandwidth and latency, the hand-offs so far (count, bytes) and the last one's
+    # bytes and time (RequestMetrics has each reply's as kv_transfer_bytes and kv_transfer_ms)
     disaggregate: bool = False
     prefill_worker: str = "off"
     prefill_queue: int = 0
     prefill_cores: str | None = None
     decode_cores: str | None = None
     kv_link: str = "shm"
+    kv_link_gbps: float | None = None
+    kv_link_ms: float = 0.0
     kv_transfers: int = 0
-    kv_transfer_bytes: int = 0
-    kv_transfer_ms: float | None = None
+    kv_transferred_bytes: int = 0
+    last_kv_transfer_bytes: int | None = None
+    last_kv_transfer_ms: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -200,11 +204,12 @@ def collect_stats(engine: "Engine") -> EngineStats:
         graph_state=graphs_state(engine, graphs),
     )
     d = engine.disagg
-    st.disaggregate, st.prefill_worker, st.prefill_queue, st.kv_link = (
-        cfg.disaggregate, d.worker_state(), len(d.at_worker), cfg.kv_link)
+    st.disaggregate, st.prefill_worker, st.prefill_queue = cfg.disaggregate, d.worker_state(), len(d.at_worker)
+    st.kv_link, st.kv_link_gbps, st.kv_link_ms = cfg.kv_link, cfg.kv_link_gbps, cfg.kv_link_ms
     if d.state != "off":
         st.prefill_cores, st.decode_cores = (",".join(map(str, c)) for c in d.cores)
-    st.kv_transfers, st.kv_transfer_bytes, st.kv_transfer_ms = d.transfers, d.transfer_bytes, d.last_transfer_ms
+    st.kv_transfers, st.kv_transferred_bytes = d.transfers, d.transfer_bytes
+    st.last_kv_transfer_bytes, st.last_kv_transfer_ms = d.last_transfer_bytes, d.last_transfer_ms
     if graphs is not None:
         st.graph_replays = graphs.replays
         st.graph_rows, st.graph_size = graphs.last or (None, None)

@@ -104,7 +104,10 @@ class ModelRunner:
         if out is None:
             out = self.k_cache.new_empty((2, self.k_cache.shape[0], num_tokens, *self.k_cache.shape[3:]))
         for cache, part in zip((self.k_cache, self.v_cache), out):
-            torch.index_select(cache.flatten(1, 2), 1, slots, out=part)
+            if part.device == cache.device:
+                torch.index_select(cache.flatten(1, 2), 1, slots, out=part)
+            else:                                   # a GPU's pool into a link's host memory
+                part.copy_(cache.flatten(1, 2).index_select(1, slots))
         return out
 
     def write_kv(self, block_table: list[int], kv: torch.Tensor) -> None:

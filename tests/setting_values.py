@@ -22,7 +22,7 @@ def other_value(s: Setting) -> Any:
     low = s.low if s.low is not None else 0
     value = s.kind(low) + (1 if s.kind is int else 0.5)
     if s.high is not None and value >= s.high:
-        value = s.kind(low) + (s.kind(s.high) - s.kind(low)) / (2 if s.kind is float else 1)
+        value = s.kind(s.kind(low) + (s.kind(s.high) - s.kind(low)) / (2 if s.kind is float else 1))
     if s.rule is not None:                      # block size: a power of two
         value = 2 if s.default != 2 else 4
     if s.name == "threads":

@@ -58,7 +58,7 @@ class Toggles(_FromDict, settings.fields_of(settings.TOGGLES, "ToggleSettings"))
 
 @dataclass
 class Phase:
-    phase: str          # queued | prefill | decode
+    phase: str          # queued | prefill | transfer (another process prefilled it: its K/V cross) | decode
     computed: int       # prompt tokens whose K/V exist (cached included)
     total: int          # prompt tokens
     cached: int         # prompt tokens from the prefix cache

@@ -9,8 +9,15 @@ reports the CPU figures of its machine and process (`cpu_util_pct`, `process_cpu
 
 Extras, beyond EngineStats: `server` (which dialect was read), `kv_usage` (fraction of the KV pool
 in use, the one figure every server exposes), `spec_drafted` / `spec_accepted` (speculative tokens
-since the server started), `spec_acceptance_rate` (accepted / drafted) and `spec_accept_length`
-(SGLang: mean tokens per verify step).
+since the server started), `spec_acceptance_rate` (accepted / drafted), `spec_accept_length`
+(SGLang: mean tokens per verify step), `prefill_worker_busy` (pdchat with --disaggregate: 1
+while its prefill worker computes a prompt) and, for the prefill/decode split of vLLM (its NIXL
+connector) and SGLang (`--disaggregation-mode`), `kv_transfer_mean_ms` (vLLM: the mean hand-off
+since start), `kv_transfer_gbps` (SGLang: the recent transfer speed) and `kv_transfer_queue`
+(SGLang's decode side: requests whose K/V are arriving). There, `disaggregate` is 1 when the server
+exports such metrics, `kv_transfers`/`kv_transferred_bytes` come from vLLM's histograms,
+`last_kv_transfer_ms` is SGLang's recent transfer latency and `prefill_queue` its prefill side's
+requests still sending K/V.
 
 Metric names come from each project's documentation: vLLM "Production Metrics" (v0 and v1
 names), SGLang "Production Metrics", llama.cpp server README (`--metrics`).
@@ -23,8 +30,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 SNAPSHOT_KEYS = ("model", "device", "kv_block_size", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached",
                  "kv_bytes_per_token", "kv_bytes_used", "kv_bytes_total", "running", "waiting", "step_ms",
-                 "prefix_hit_rate", "cpu_util_pct", "process_cpu_pct", "rss_bytes")
-EXTRA_KEYS = ("server", "kv_usage", "spec_drafted", "spec_accepted", "spec_acceptance_rate", "spec_accept_length")
+                 "prefix_hit_rate", "cpu_util_pct", "process_cpu_pct", "rss_bytes", "disaggregate",
+                 "prefill_queue", "kv_transfers", "kv_transferred_bytes", "last_kv_transfer_ms")
+EXTRA_KEYS = ("server", "kv_usage", "spec_drafted", "spec_accepted", "spec_acceptance_rate", "spec_accept_length",
+              "prefill_worker_busy", "kv_transfer_mean_ms", "kv_transfer_gbps", "kv_transfer_queue")
 
 
 class Samples:
@@ -98,6 +107,12 @@ def _vllm(s: Samples, snap: dict[str, Any]) -> None:
     snap["prefix_hit_rate"] = _ratio(hits, queries) if queries else s.mean("vllm:gpu_prefix_cache_hit_rate")
     snap["spec_acceptance_rate"] = s.mean("vllm:spec_decode_draft_acceptance_rate")
     _spec(snap, s.sum("vllm:spec_decode_num_draft_tokens_total"), s.sum("vllm:spec_decode_num_accepted_tokens_total"))
+    # Prefill/decode disaggregation through the NIXL connector: one histogram sample per transfer.
+    count, seconds = s.sum("vllm:nixl_xfer_time_seconds_count"), s.sum("vllm:nixl_xfer_time_seconds_sum")
+    if count is not None:
+        snap["disaggregate"], snap["kv_transfers"] = 1, _int(count)
+        snap["kv_transferred_bytes"] = _int(s.sum("vllm:nixl_bytes_transferred_sum"))
+        snap["kv_transfer_mean_ms"] = None if not count or seconds is None else seconds / count * 1000
 
 
 def _sglang(s: Samples, snap: dict[str, Any]) -> None:
@@ -110,6 +125,15 @@ def _sglang(s: Samples, snap: dict[str, Any]) -> None:
         snap["kv_block_size"], snap["kv_blocks_used"] = 1, int(used)
     snap["prefix_hit_rate"] = s.mean("sglang:cache_hit_rate")
     snap["spec_accept_length"] = s.mean("sglang:spec_accept_length")
+    # Prefill/decode disaggregation (--disaggregation-mode prefill|decode): queues and the recent
+    # transfer, each exported by the side it concerns.
+    if s.has_prefix("sglang:kv_transfer_") or s.has_prefix("sglang:num_decode_transfer_queue_reqs") \
+            or s.has_prefix("sglang:num_prefill_inflight_queue_reqs"):
+        snap["disaggregate"] = 1
+        snap["prefill_queue"] = _int(s.sum("sglang:num_prefill_inflight_queue_reqs"))
+        snap["kv_transfer_queue"] = _int(s.sum("sglang:num_decode_transfer_queue_reqs"))
+        snap["last_kv_transfer_ms"] = s.mean("sglang:kv_transfer_latency_ms")
+        snap["kv_transfer_gbps"] = s.mean("sglang:kv_transfer_speed_gb_s")
 
 
 def _llamacpp(s: Samples, snap: dict[str, Any]) -> None:

@@ -12,7 +12,7 @@ from typing import Any, Callable
 from pdchat.engine import settings
 from pdchat.engine.settings import CHAT, ENGINE, SAMPLING, Setting
 
-GROUPS = ("model and device", "sampling", "optimizations")
+GROUPS = ("model and device", "sampling", "optimizations", "disaggregation")
 
 _FLAGGED = tuple(s for s in settings.SETTINGS if s.cli_flag)
 # The shared flags by what they configure (argparse destinations are the fields they set).

@@ -1,10 +1,13 @@
 """`GET /metrics`: Prometheus text with pdchat's stable metric names under the `pdchat:` prefix.
 
 Per-request latencies are histograms (`pdchat:ttft_ms`, `pdchat:tpot_ms`, `pdchat:e2e_ms`,
-`pdchat:queue_ms`), token and request totals are counters, and the engine snapshot (EngineStats)
-is read at scrape time: every numeric field becomes the gauge `pdchat:<field>` (booleans 0/1), the
-text fields (model, device, spec method, ...) the labels of `pdchat:engine_info`. A field the engine cannot measure (None) is left out, never sent
-as 0. `pdchat:kv_usage` and `pdchat:spec_acceptance_rate` are the two ratios dashboards want.
+`pdchat:queue_ms`, and with --disaggregate `pdchat:kv_transfer_ms`), token, byte and request totals
+are counters, and the engine snapshot (EngineStats) is read at scrape time: every numeric field
+becomes the gauge `pdchat:<field>` (booleans 0/1), the text fields (model, device, spec method,
+prefill worker state, ...) the labels of `pdchat:engine_info`. A field the engine cannot measure
+(None) is left out, never sent as 0, and so is a field a per-request metric already names (one name,
+one metric). `pdchat:kv_usage` and `pdchat:spec_acceptance_rate` are the two ratios dashboards
+want; `pdchat:prefill_worker_busy` (0/1, while a prefill worker exists) says whether it is prefilling.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000)
 TPOT_BUCKETS = (1, 2, 5, 10, 20, 40, 60, 80, 100, 150, 200, 300, 500, 1000, 2500)
 E2E_BUCKETS = (10, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000, 300000)
-
+KV_TRANSFER_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 10000)
 
 class _Snapshot(Collector):
     """Engine snapshot gauges, read from Engine.stats() at each scrape."""
@@ -43,6 +46,9 @@ class _Snapshot(Collector):
         if st.kv_blocks_total:
             yield GaugeMetricFamily(f"{PREFIX}kv_usage", "KV blocks in use / KV blocks in the pool",
                                     value=st.kv_blocks_used / st.kv_blocks_total)
+        if st.prefill_worker != "off":
+            yield GaugeMetricFamily(f"{PREFIX}prefill_worker_busy", "1 while the prefill worker computes a prompt",
+                                    value=float(st.prefill_worker == "busy"))
         drafted, accepted = self._spec_totals()
         if drafted:
             yield GaugeMetricFamily(f"{PREFIX}spec_acceptance_rate",
@@ -62,6 +68,11 @@ class ServerMetrics:
                              buckets=E2E_BUCKETS, registry=r)
         self.queue = Histogram(f"{PREFIX}queue_ms", "time waiting before the first step (ms)",
                                buckets=TTFT_BUCKETS, registry=r)
+        self.kv_transfer = Histogram(f"{PREFIX}kv_transfer_ms", "a prompt prefilled by the worker process: its K/V's "
+                                     "hand-off, end of the forward to the decode pool (ms)",
+                                     buckets=KV_TRANSFER_BUCKETS, registry=r)
+        self.kv_transfer_bytes = Counter(f"{PREFIX}kv_transfer_bytes", "K/V bytes handed over by the prefill worker",
+                                         registry=r)
         self.requests = Counter(f"{PREFIX}requests", "finished requests", ["finish_reason"], registry=r)
         self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.cached_prompt_tokens = Counter(f"{PREFIX}cached_prompt_tokens",
@@ -77,9 +88,12 @@ class ServerMetrics:
 
     def observe(self, m: RequestMetrics, e2e_ms: float) -> None:
         self.requests.labels(m.finish_reason or "error").inc()
-        for hist, value in ((self.ttft, m.ttft_ms), (self.tpot, m.tpot_ms), (self.queue, m.queue_ms)):
+        for hist, value in ((self.ttft, m.ttft_ms), (self.tpot, m.tpot_ms), (self.queue, m.queue_ms),
+                            (self.kv_transfer, m.kv_transfer_ms)):
             if value is not None:
                 hist.observe(value)
+        if m.kv_transfer_bytes is not None:
+            self.kv_transfer_bytes.inc(m.kv_transfer_bytes)
         if m.finish_reason in ("stop", "length"):
             self.e2e.observe(e2e_ms)
         self.prompt_tokens.inc(m.prompt_tokens)

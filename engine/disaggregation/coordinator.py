@@ -52,6 +52,7 @@ class Disaggregation:
         self.transfers = 0
         self.transfer_bytes = 0
         self.last_transfer_ms: float | None = None
+        self.last_transfer_bytes: int | None = None
         self._process: Any = None
         self._control: Any = None
         self._receiver: KvReceiver | None = None
@@ -169,6 +170,7 @@ class Disaggregation:
             self.transfers += 1
             self.transfer_bytes += handoff.nbytes
             self.last_transfer_ms = (now - handoff.t_prefilled) * 1000
+            self.last_transfer_bytes = handoff.nbytes
             self.scheduler.add_running(seq)
 
     # ---- what the worker says (posted by the receiver, handled on the loop thread) ------------
@@ -235,7 +237,7 @@ class Disaggregation:
             while True:
                 message = control.recv()
                 if message[0] == "kv":
-                    self._post("disagg", ("transfer", message[1], message[4]))
+                    self._post("disagg", ("transfer", message[1], message[5]))
                     message = ("handoff", receiver.receive(message))
                 self._post("disagg", message)
         except (EOFError, OSError) as e:

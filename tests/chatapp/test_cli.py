@@ -50,6 +50,25 @@ def test_run_streams_text_then_summary(capsys, monkeypatch):
     assert f"{len(want.token_ids)} tok" in err
 
 
+def test_run_disaggregated_reports_the_kv_transfer(capsys, monkeypatch):
+    code, out, err = run_cli(capsys, monkeypatch, "run", "hello " * 40, "--model", "random:tiny", "--json",
+                             "--max-tokens", "2", "--temperature", "0", "--disaggregate", "--kv-link-ms", "5")
+    assert code == 0
+    m = json.loads(out)["metrics"]
+    assert set(m) == METRIC_FIELDS
+    assert m["kv_transfer_ms"] >= 5.0 and m["kv_transfer_bytes"] > 0       # the simulated latency included
+    assert "disaggregated" in err                                         # the engine's note on the split
+
+
+def test_summary_line_mentions_the_kv_transfer_only_when_there_was_one():
+    from pdchat.chatapp.cli.turn import summary_line
+    m = {"ttft_ms": 30.0, "prompt_tokens": 16, "prefill_tok_s": 500.0, "output_tokens": 4, "decode_tok_s": 40.0,
+         "tpot_ms": 25.0, "finish_reason": "stop"}
+    line = summary_line({**m, "kv_transfer_bytes": 138240, "kv_transfer_ms": 4.0})
+    assert "· prefill 500.0 tok/s · KV transfer 135.0 KB in 4.0 ms · 4 tok @" in line
+    assert "KV" not in summary_line({**m, "kv_transfer_bytes": None, "kv_transfer_ms": None})
+
+
 def _gguf_file(path, truncate: bool) -> None:
     import gguf
     w = gguf.GGUFWriter(str(path), "llama")

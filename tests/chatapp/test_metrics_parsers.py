@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import fields
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from pdchat.chatapp.backends.metrics_parsers import EXTRA_KEYS, llamacpp_timings, parse_metrics
+from pdchat.chatapp.backends.metrics_parsers import EXTRA_KEYS, Samples, llamacpp_timings, parse_metrics
 from pdchat.chatapp.backends.openai_client import Reply
 from pdchat.chatapp.serve.prometheus import ServerMetrics
 from pdchat.engine import EngineStats, RequestMetrics
@@ -162,6 +163,57 @@ def test_pdchat_round_trip():
     assert (s["spec_drafted"], s["spec_accepted"], s["spec_acceptance_rate"]) == (10, 6, 0.6)
 
 
+def metric_families(text: str) -> list[str]:
+    """The metric names a /metrics text declares, as a parser reads them (a counter's without `_total`)."""
+    return [family.name for family in text_string_to_metric_families(text)]
+
+
+def disaggregated_metrics() -> ServerMetrics:
+    """A server whose engine's prefill worker is busy, after one reply it prefilled and one it did not."""
+    stats = EngineStats(model="random:tiny", kv_blocks_total=100, disaggregate=True, prefill_worker="busy",
+                        prefill_queue=2, prefill_cores="0", decode_cores="1", kv_link="socket", kv_transfers=3,
+                        kv_transferred_bytes=9000, last_kv_transfer_bytes=3000, last_kv_transfer_ms=2.5)
+    metrics = ServerMetrics(lambda: stats)
+    metrics.observe(RequestMetrics(ttft_ms=20.0, kv_transfer_bytes=4096, kv_transfer_ms=3.0, finish_reason="stop"),
+                    40.0)
+    metrics.observe(RequestMetrics(ttft_ms=20.0, finish_reason="stop"), 40.0)
+    return metrics
+
+
+def test_kv_transfers_are_a_histogram_and_a_counter_fed_per_request():
+    samples = Samples(disaggregated_metrics().render().decode())
+    assert samples.sum("pdchat:kv_transfer_ms_count") == 1 and samples.sum("pdchat:kv_transfer_ms_sum") == 3.0
+    bucket = {labels["le"]: v for labels, v in samples.by_name["pdchat:kv_transfer_ms_bucket"]}
+    assert (bucket["2.5"], bucket["5.0"]) == (0.0, 1.0)
+    assert samples.sum("pdchat:kv_transfer_bytes_total") == 4096
+    # the engine's prefill worker as gauges and engine_info labels
+    assert samples.sum("pdchat:prefill_queue") == 2 and samples.sum("pdchat:prefill_worker_busy") == 1
+    assert samples.sum("pdchat:disaggregate") == 1 and samples.sum("pdchat:kv_transfers") == 3
+    info = samples.by_name["pdchat:engine_info"][0][0]
+    assert (info["prefill_worker"], info["prefill_cores"], info["kv_link"]) == ("busy", "0", "socket")
+
+
+@pytest.mark.parametrize("metrics", [disaggregated_metrics(), ServerMetrics(lambda: EngineStats())],
+                         ids=["disaggregated", "colocated"])
+def test_no_metric_name_is_declared_twice(metrics):
+    # a scrape that declares a name twice is refused: the snapshot's hand-off fields are named
+    # apart from the per-request metrics
+    names = metric_families(metrics.render().decode())
+    assert len(names) == len(set(names)) and "pdchat:kv_transfer_ms" in names
+
+
+def test_an_engine_without_a_prefill_worker_has_no_busy_gauge():
+    text = ServerMetrics(lambda: EngineStats()).render().decode()
+    assert "pdchat:prefill_worker_busy" not in text and "pdchat:kv_transfer_ms_count 0.0" in text
+
+
+def test_pdchat_round_trip_of_a_disaggregated_engine():
+    s = parse_metrics(disaggregated_metrics().render().decode())
+    assert (s["disaggregate"], s["prefill_worker"], s["prefill_queue"], s["prefill_worker_busy"]) == (1, "busy", 2, 1)
+    assert (s["prefill_cores"], s["decode_cores"], s["kv_link"], s["kv_transfers"]) == ("0", "1", "socket", 3)
+    assert (s["kv_transferred_bytes"], s["last_kv_transfer_bytes"], s["last_kv_transfer_ms"]) == (9000, 3000, 2.5)
+
+
 @pytest.mark.parametrize("text", [VLLM_V1, VLLM_V0, SGLANG, LLAMACPP])
 def test_every_snapshot_key_is_an_engine_stats_name(text):
     assert set(parse_metrics(text)) - set(EXTRA_KEYS) <= STATS_FIELDS
@@ -200,3 +252,48 @@ def test_reply_metrics_from_a_llamacpp_stream():
     assert m["decode_tok_s"] == pytest.approx(2 / 0.15)
     assert (m["prompt_tokens"], m["cached_prompt_tokens"], m["prefill_ms"]) == (12, 8, 50.0)
     assert m["queue_ms"] is None and m["spec_drafted"] is None         # not reported: n/a
+
+
+VLLM_NIXL = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 2.0
+# TYPE vllm:nixl_xfer_time_seconds histogram
+vllm:nixl_xfer_time_seconds_bucket{engine="0",le="0.01",model_name="m"} 3.0
+vllm:nixl_xfer_time_seconds_bucket{engine="0",le="+Inf",model_name="m"} 4.0
+vllm:nixl_xfer_time_seconds_count{engine="0",model_name="m"} 4.0
+vllm:nixl_xfer_time_seconds_sum{engine="0",model_name="m"} 0.05
+# TYPE vllm:nixl_bytes_transferred histogram
+vllm:nixl_bytes_transferred_bucket{engine="0",le="+Inf",model_name="m"} 4.0
+vllm:nixl_bytes_transferred_count{engine="0",model_name="m"} 4.0
+vllm:nixl_bytes_transferred_sum{engine="0",model_name="m"} 8.0e+06
+"""
+
+SGLANG_DECODE = """\
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="m"} 5.0
+# TYPE sglang:num_decode_transfer_queue_reqs gauge
+sglang:num_decode_transfer_queue_reqs{model_name="m"} 2.0
+# TYPE sglang:kv_transfer_latency_ms gauge
+sglang:kv_transfer_latency_ms{model_name="m"} 7.5
+# TYPE sglang:kv_transfer_speed_gb_s gauge
+sglang:kv_transfer_speed_gb_s{model_name="m"} 12.25
+"""
+
+
+def test_vllm_nixl_transfers_read_as_hand_offs():
+    s = parse_metrics(VLLM_NIXL)
+    assert (s["server"], s["disaggregate"], s["kv_transfers"], s["kv_transferred_bytes"]) == ("vllm", 1, 4, 8_000_000)
+    assert s["kv_transfer_mean_ms"] == pytest.approx(12.5)
+    assert s["last_kv_transfer_ms"] is None                 # vLLM exports no last transfer
+
+
+def test_sglang_decode_side_reads_its_transfer_queue_and_speed():
+    s = parse_metrics(SGLANG_DECODE)
+    assert (s["server"], s["disaggregate"], s["kv_transfer_queue"]) == ("sglang", 1, 2)
+    assert (s["last_kv_transfer_ms"], s["kv_transfer_gbps"], s["prefill_queue"]) == (7.5, 12.25, None)
+
+
+@pytest.mark.parametrize("text", [VLLM_V1, SGLANG])
+def test_servers_without_a_split_are_not_disaggregated(text):
+    s = parse_metrics(text)
+    assert s["disaggregate"] is None and s["kv_transfers"] is None and s["kv_transfer_queue"] is None

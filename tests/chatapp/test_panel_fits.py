@@ -11,7 +11,7 @@ from .helpers import idle, ready, send, wait_for
 
 pytestmark = pytest.mark.anyio
 
-SECTIONS = ("phase", "latency", "timeline", "kv", "batch", "spec", "device")
+SECTIONS = ("phase", "latency", "timeline", "kv", "batch", "workers", "spec", "device")
 
 
 def overflowing(app) -> list[tuple[str, str, int]]:
@@ -39,6 +39,24 @@ async def test_no_section_line_wraps_in_any_phase(make_app, size):
         assert app.chat.last_metrics()["cached_prompt_tokens"] > 0
         await pilot.pause(0.3)
         assert overflowing(app) == []                                   # finished, with a cache hit
+
+
+@pytest.mark.parametrize("size", [(80, 24), (160, 48)])
+async def test_no_section_line_wraps_while_disaggregated(make_app, size):
+    app = make_app(FakeBackend(hold="transfer"))
+    async with app.run_test(size=size) as pilot:
+        await ready(pilot)
+        assert await app.apply_toggles({"disaggregate": True})
+        await send(pilot, " ".join(f"w{i}" for i in range(2497)))      # 10,000 prompt tokens
+        await wait_for(pilot, app.backend.held.is_set)
+        await pilot.pause(0.3)
+        assert app.chat.query_one("#tm-workers").display
+        assert overflowing(app) == []                                   # the K/V crossing, the worker busy
+        app.backend.release()
+        await idle(pilot)
+        await pilot.pause(0.3)
+        assert app.chat.last_metrics()["kv_transfer_ms"] is not None
+        assert overflowing(app) == []                                   # finished: transfer rows and segment
 
 
 def test_the_decode_row_says_how_steps_launch():

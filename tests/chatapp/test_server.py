@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdchat.chatapp.cli.main import build_parser
 from pdchat.chatapp.backends.metrics_parsers import Samples, parse_metrics
@@ -275,10 +276,32 @@ def test_metrics_exposes_our_names(client, http, engine):
     for name in ("pdchat:ttft_ms_bucket", "pdchat:tpot_ms_bucket", "pdchat:e2e_ms_bucket", "pdchat:queue_ms_count",
                  "pdchat:kv_blocks_used", "pdchat:kv_blocks_total", "pdchat:kv_usage", "pdchat:prefix_hit_rate",
                  "pdchat:running", "pdchat:waiting", "pdchat:requests_total", "pdchat:output_tokens_total",
-                 "pdchat:spec_accepted_total", "pdchat:engine_info"):
+                 "pdchat:spec_accepted_total", "pdchat:engine_info", "pdchat:kv_transfer_ms_count",
+                 "pdchat:kv_transfer_bytes_total", "pdchat:prefill_queue", "pdchat:disaggregate"):
         assert name in text, name
+    families = [f.name for f in text_string_to_metric_families(text)]
+    assert len(families) == len(set(families))                 # one name, one metric
     snap = parse_metrics(text)
     st = engine.stats()
     assert snap["server"] == "pdchat" and snap["model"] == MODEL
     assert (snap["kv_blocks_total"], snap["kv_block_size"], snap["running"]) == (st.kv_blocks_total, st.kv_block_size, 0)
     assert snap["prefix_hit_rate"] == pytest.approx(st.prefix_hit_rate)
+
+
+
+def test_a_disaggregated_engine_feeds_the_kv_transfer_metrics(client, http, engine):
+    def sample(name: str) -> float:
+        return Samples(http.get("/metrics").text).sum(name) or 0.0
+    count, sent = sample("pdchat:kv_transfer_ms_count"), sample("pdchat:kv_transfer_bytes_total")
+    handed = engine.stats().kv_transferred_bytes
+    engine.update(disaggregate=True)
+    try:
+        wait_until(lambda: engine.stats().prefill_worker == "idle", timeout=120, what="the prefill worker")
+        assert sample("pdchat:prefill_worker_busy") == 0 and sample("pdchat:disaggregate") == 1
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello " * 40}],
+                                       max_tokens=2)
+        wait_until(lambda: sample("pdchat:kv_transfer_ms_count") == count + 1, what="the request to be counted")
+        assert sample("pdchat:kv_transfer_bytes_total") - sent == engine.stats().kv_transferred_bytes - handed > 0
+    finally:
+        engine.update(disaggregate=False)
+    assert "pdchat:prefill_worker_busy" not in http.get("/metrics").text

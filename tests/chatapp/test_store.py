@@ -39,6 +39,21 @@ def test_schema_version_wal_and_roundtrip(tmp_path):
     assert s.messages(conv.id) == []
 
 
+def test_every_reply_metric_is_saved_and_read_back(tmp_path):
+    # metrics are one JSON value: a new RequestMetrics field (the KV hand-off's) needs no migration
+    from pdchat.engine.metrics import RequestMetrics
+    metrics = RequestMetrics(ttft_ms=30.0, kv_transfer_bytes=138240, kv_transfer_ms=4.25).to_dict()
+    s = Store(tmp_path / "a.db")
+    c = s.create_conversation()
+    s.add_message(c.id, "assistant", "x", metrics=metrics)
+    s.close()
+    s = Store(tmp_path / "a.db")
+    [msg] = s.messages(c.id)
+    assert msg.metrics == metrics
+    assert (msg.metrics["kv_transfer_bytes"], msg.metrics["kv_transfer_ms"]) == (138240, 4.25)
+    s.close()
+
+
 def test_old_schema_is_migrated(tmp_path):
     db = sqlite3.connect(tmp_path / "old.db")
     db.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")

@@ -4,7 +4,8 @@ Replies are derived from the last user message (or taken from `replies` in turn)
 only on the fake clock: prefill costs `prefill_ms_per_token` per uncached prompt token, each
 decoded token `tpot_ms` (more with neighbours, much more with the KV cache off). `hold` makes a
 stream stop at a point until release() (or cancel()), so tests can look at a reply mid-flight:
-"queued", "prefill" (half the prompt computed) or "decode:N" (after N tokens).
+"queued", "prefill" (half the prompt computed), "transfer" (disaggregated: the K/V on their way,
+`transfer_ms` of the clock) or "decode:N" (after N tokens).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pdchat.chatapp.backends.base import CAPABILITIES, Backend, Done, Generation
 
 GB = 1024 ** 3
 MB = 1024 ** 2
+KV_BYTES_PER_TOKEN = 9216
 FAKE_LAYERS = 30          # as many as the default model (SmolLM2-135M)
 
 
@@ -37,6 +39,7 @@ class FakeGeneration(Generation):
         self.settings = settings
         self.cancelled = threading.Event()
         self.released = threading.Event()
+        self.transfer: tuple[int, float] | None = None      # disaggregated: the K/V's bytes and ms
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -67,7 +70,14 @@ class FakeGeneration(Generation):
         self._hold("queued")
         clock.advance(0.002)
         t_sched = clock.t
-        yield from self._prefill(b, clock, cached, total, cached)
+        at_worker = int(b.toggles["disaggregate"])          # sent to the prefill worker until its K/V are back
+        b.prefill_queue += at_worker
+        try:
+            yield from self._prefill(b, clock, cached, total, cached)
+            if at_worker and not self.cancelled.is_set():
+                yield from self._transfer(b, clock, total, cached)
+        finally:
+            b.prefill_queue -= at_worker
         if self.cancelled.is_set():
             yield self._done("", "cancelled", t_submit, t_sched, None, [], total, cached)
             return
@@ -128,6 +138,16 @@ class FakeGeneration(Generation):
                 if computed * 2 >= total and not layers:
                     self._hold("prefill")
 
+    def _transfer(self, b: "FakeBackend", clock, total: int, cached: int) -> Iterator:
+        """As the disaggregated engine: the worker prefilled all but the last prompt token, whose
+        K/V cross to the decode side (counted by the backend's stats)."""
+        yield Phase("transfer", total - 1, total, cached, clock.t)
+        self._hold("transfer")
+        clock.advance(b.transfer_ms / 1000)
+        self.transfer = ((total - 1) * KV_BYTES_PER_TOKEN, b.transfer_ms)
+        b.kv_transfers += 1
+        b.kv_transferred_bytes += self.transfer[0]
+
     def _done(self, text, reason, t_submit, t_sched, t_first, times, total, cached) -> Done:
         ms = lambda a, b: None if a is None or b is None else round((b - a) * 1000, 3)  # noqa: E731
         prefill_ms = ms(t_sched, t_first)
@@ -145,6 +165,7 @@ class FakeGeneration(Generation):
             "spec_method": None if spec == "off" else spec,
             "spec_drafted": 0, "spec_accepted": 0, "preemptions": 0, "finish_reason": reason,
         }
+        metrics["kv_transfer_bytes"], metrics["kv_transfer_ms"] = self.transfer or (None, None)
         return Done(text, reason, metrics, None)
 
 
@@ -163,6 +184,7 @@ class FakeBackend(Backend):
 
     def __init__(self, *, model: str = "fake-model", gpu: bool = False, replies: list[str] | None = None,
                  hold: str | None = None, tpot_ms: float = 32.0, prefill_ms_per_token: float = 0.5,
+                 transfer_ms: float = 4.0,
                  load_error: str | None = None, capabilities: dict[str, bool] | None = None):
         self.model = model
         self.gpu = gpu
@@ -171,11 +193,14 @@ class FakeBackend(Backend):
         self.held = threading.Event()          # set when a stream reaches the hold point
         self.tpot_ms = tpot_ms
         self.prefill_ms_per_token = prefill_ms_per_token
+        self.transfer_ms = transfer_ms
+        self.prefill_queue = self.kv_transfers = self.kv_transferred_bytes = 0
         self.prediction_error = 1.0            # predicted / actual time of a prefill forward
         self.load_error = load_error
         self.clock = FakeClock()
         self.toggles: dict[str, Any] = {"kv_cache": True, "prefix_cache": True, "chunk_size": 256,
-                                        "spec": "off", "quant": "none", "neighbours": 0, "cuda_graphs": True}
+                                        "spec": "off", "quant": "none", "neighbours": 0, "cuda_graphs": True,
+                                        "disaggregate": False}
         self.updates: list[dict[str, Any]] = []
         self._notices: list[str] = []
         self.requests: list[tuple[list[dict[str, str]], Settings]] = []
@@ -244,7 +269,7 @@ class FakeBackend(Backend):
         return self.clock.t
 
     def stats(self) -> dict[str, Any]:
-        total, bpt, bs = 1024, 9216, 16
+        total, bpt, bs = 1024, KV_BYTES_PER_TOKEN, 16
         cached = 24
         s = {
             "model": self.model, "kv_block_size": bs, "kv_blocks_total": total,
@@ -267,4 +292,9 @@ class FakeBackend(Backend):
             s.update(device="cpu", device_name=None, device_util_pct=None, device_mem_used=None,
                      device_mem_total=None, device_power_w=None, rss_bytes=812 * MB)
         s.update(cpu_util_pct=self.cpu_util_pct, process_cpu_pct=self.process_cpu_pct)
+        if self.toggles["disaggregate"]:
+            s.update(disaggregate=True, prefill_worker="busy" if self.prefill_queue else "idle",
+                     prefill_queue=self.prefill_queue, prefill_cores="0", decode_cores="1", kv_link="shm",
+                     kv_transfers=self.kv_transfers, kv_transferred_bytes=self.kv_transferred_bytes,
+                     last_kv_transfer_ms=self.transfer_ms if self.kv_transfers else None)
         return s

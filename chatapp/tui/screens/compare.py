@@ -76,7 +76,10 @@ AB_ROWS = (
     ("cached tokens", "cached_prompt_tokens", fmt.count, None),
     ("output tokens", "output_tokens", fmt.count, None),
     ("acceptance", "spec_acceptance", lambda v: fmt.pct(None if v is None else 100 * v), True),
+    ("KV transfer", "kv_transfer_ms", fmt.ms, False),
 )
+# Measures only a disaggregated reply has: their row is left out when neither reply has one.
+ONLY_WHEN_MEASURED = ("kv_transfer_ms",)
 
 
 def ab_rows(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, str, str, str]]:
@@ -84,6 +87,8 @@ def ab_rows(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, str, str, s
     rows = [("made with", fmt.made_with(a.get("made_with") or {}), fmt.made_with(b.get("made_with") or {}), "")]
     for title, key, show, higher_better in AB_ROWS:
         va, vb = a.get(key), b.get(key)
+        if key in ONLY_WHEN_MEASURED and va is None and vb is None:
+            continue
         ratio = ""
         if higher_better is not None and va and vb:
             r = vb / va

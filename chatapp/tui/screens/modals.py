@@ -49,8 +49,8 @@ regenerate = "ctrl+r,f5"
 ```
 
 Telemetry colours: **prefill** (the pause before the first token), **decode** (the stream),
-**cached** (prefix-cache hits), **kv** (KV cache pool), **gpu** (the device). Values that cannot
-be measured show *n/a*.
+**cached** (prefix-cache hits), **kv** (KV cache pool, and K/V crossing from the prefill worker),
+**gpu** (the device). Values that cannot be measured show *n/a*.
 
 # What the numbers mean
 
@@ -66,6 +66,7 @@ be measured show *n/a*.
 | Chunked prefill | a long prompt enters in slices while others stream; auto sizes each slice so a step takes about `step budget` decode steps (the panel's sliced step: planned vs took) |
 | Speculative decoding | cheap guesses of the next tokens, all checked in one forward; same output, fewer steps |
 | Neighbours | synthetic users chatting beside you: batching shares each step among them |
+| Disaggregate | a second process prefills prompts on cores of its own and hands their KV over: streams never wait for a prefill, TTFT pays the transfer (the panel's Workers, the timeline's transfer) |
 """
 
 WELCOME = """\

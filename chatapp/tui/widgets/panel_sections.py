@@ -1,6 +1,6 @@
-"""The telemetry panel's sections as text: phase, latency, timeline, KV cache, batch, speculative
-decoding, device. Pure rendering from (engine stats dict, LiveSnapshot, last metrics) at a given
-width; widgets/telemetry.py puts them on screen."""
+"""The telemetry panel's sections as text: phase, latency, timeline, KV cache, batch, workers
+(disaggregated prefill and decode), speculative decoding, device. Pure rendering from (engine
+stats dict, LiveSnapshot, last metrics) at a given width; widgets/telemetry.py puts them on screen."""
 from __future__ import annotations
 
 from collections import deque
@@ -58,6 +58,11 @@ def phase_text(live: LiveSnapshot | None, last: dict | None, c: dict, w: int) ->
             t.append(f"{fmt.rate(live.prefill_tok_s)} · ~{fmt.seconds(live.prefill_left_ms)} left", style=c["prefill"])
         if live.layers:
             t.append(f"\nforward at layer {live.layers_done} of {live.layers}", style="dim")
+    elif p == "transfer":         # prefilled by the worker process: its K/V cross to the decode side
+        t.append("● TRANSFERRING KV ", style=f"bold {c['kv']}")
+        t.append(f"{fmt.ms(live.phase_ms)}\n")
+        count, origin = f"{live.total:,} prompt tok", "prefilled by the worker"
+        t.append(count + (" " if cell_len(count + origin) < w else "\n") + origin, style="dim")
     elif p == "decode":
         t.append("● DECODE ", style=f"bold {c['decode']}")
         t.append(f"{fmt.rate(live.decode_tok_s)}\n")
@@ -78,6 +83,10 @@ def latency_text(live: LiveSnapshot | None, last: dict | None, c: dict, w: int) 
     if m.get("cached_prompt_tokens"):      # the rate counts computed tokens only: say how many were not
         row(t, "cached", f"{m['cached_prompt_tokens']:,} of {m.get('prompt_tokens') or 0:,} tok",
              c["cached"], width=w)
+    if m.get("kv_transfer_ms") is not None:      # a finished reply whose prompt another process prefilled
+        row(t, "KV transfer", fmt.ms(m["kv_transfer_ms"]), c["kv"])
+    if m.get("kv_transfer_bytes") is not None:
+        row(t, "KV moved", fmt.size(m["kv_transfer_bytes"]), c["kv"])
     row(t, "decode", fmt.rate(m.get("decode_tok_s")), c["decode"])
     row(t, "TPOT", fmt.ms(m.get("tpot_ms")), c["decode"])
     itl = m.get("itl_ms") or []
@@ -88,30 +97,58 @@ def latency_text(live: LiveSnapshot | None, last: dict | None, c: dict, w: int) 
     return t
 
 def timeline_text(live: LiveSnapshot | None, last: dict | None, c: dict, w: int) -> Text:
+    """The reply's wait and its stream: pause (TTFT) · stream, or where another process prefilled
+    the prompt, pause · transfer (its K/V's hand-off, part of the TTFT) · stream."""
     t = Text()
-    m = last or {}
-    pre = m.get("ttft_ms")
-    dec = m.get("decode_ms") or 0.0
-    if live is not None and live.metrics is None:
-        if live.ttft_ms is None:
-            pre, dec = live.phase_ms, 0.0
-        else:
-            pre, dec = live.ttft_ms, live.phase_ms
-    if pre is None:
+    parts = _timeline_parts(live, last)
+    if parts is None:
         t.append(fmt.NA, style="dim")
         return t
-    total = max(pre + dec, 1e-9)
-    a, b = fmt.bar([pre / total, dec / total], w)
-    a = max(a, 1)
-    b = min(b, w - a)
-    t.append("▇" * a, style=c["prefill"])
-    t.append("▇" * b, style=c["decode"])
+    roles = {"pause": c["prefill"], "transfer": c["kv"], "stream": c["decode"]}
+    total = max(sum(v for _, v in parts), 1e-9)
+    cells = fmt.bar([v / total for _, v in parts], w)
+    for i in range(len(parts) - 1):          # a short pause or hand-off still shows: a cell from the longest
+        if cells[i] == 0:
+            cells[i] = 1
+            if sum(cells) > w:
+                cells[cells.index(max(cells))] -= 1
+    for (name, _), n in zip(parts, cells):
+        t.append("▇" * n, style=roles[name])
     t.append("\n")
-    pause, stream = f"pause {fmt.ms(pre)}", f"stream {fmt.ms(dec)}"
-    t.append(pause, style=c["prefill"])
-    t.append(" · " if cell_len(pause + stream) + 3 <= w else "\n")
-    t.append(stream, style=c["decode"])
+    _words_in_lines(t, [(f"{name} {fmt.ms(v)}", roles[name]) for name, v in parts], w)
     return t
+
+
+def _timeline_parts(live: LiveSnapshot | None, last: dict | None) -> list[tuple[str, float]] | None:
+    """(segment, ms) of the reply in flight, or else of the last finished one; None before any."""
+    m = last or {}
+    pre, transfer, dec = m.get("ttft_ms"), m.get("kv_transfer_ms"), m.get("decode_ms") or 0.0
+    if live is not None and live.metrics is None:
+        transfer, dec = live.transfer_ms, live.phase_ms if live.ttft_ms is not None else 0.0
+        if transfer is not None:
+            pre = live.pause_ms
+        else:
+            pre = live.phase_ms if live.ttft_ms is None else live.ttft_ms
+    elif pre is not None and transfer is not None:
+        pre = max(0.0, pre - transfer)         # the TTFT holds the hand-off: the pause is the rest
+    if pre is None:
+        return None
+    if transfer is None:
+        return [("pause", pre), ("stream", dec)]
+    return [("pause", pre), ("transfer", transfer), ("stream", dec)]
+
+
+def _words_in_lines(t: Text, words: list[tuple[str, str]], w: int) -> None:
+    """Styled words joined by " · ", a new line where the next would pass the section's width."""
+    used = 0
+    for i, (word, style) in enumerate(words):
+        if i:
+            fits = used + 3 + cell_len(word) <= w
+            t.append(" · " if fits else "\n")
+            used = used + 3 if fits else 0
+        t.append(word, style=style)
+        used += cell_len(word)
+
 
 def kv_text(s: dict, c: dict, w: int, conv_tokens: int) -> Text:
     t = Text()
@@ -158,6 +195,49 @@ def batch_text(s: dict) -> Text:
         t.append(f"\n{'decode':<13}", style="dim")
         t.append(graph_words(s))
     return t
+
+
+def workers_shown(s: dict) -> bool:
+    """The workers section is for a disaggregated engine: on, or its prefill worker not yet gone."""
+    return bool(s.get("disaggregate")) or (s.get("prefill_worker") or "off") != "off"
+
+
+def workers_text(s: dict, c: dict, w: int) -> Text:
+    """Disaggregated serving's two sides: the prefill worker (state, prompts sent to it, its
+    cores), the decode side (this engine's batch, its cores), the link the K/V cross, and the
+    hand-offs so far (count, bytes, the last one's time)."""
+    t = Text()
+    row(t, "prefill", s.get("prefill_worker") or fmt.NA, c["prefill"], width=w)
+    row(t, "  queued", fmt.count(s.get("prefill_queue")))
+    row(t, "  cores", s.get("prefill_cores") or fmt.NA, width=w)
+    row(t, "decode", f"{fmt.count(s.get('running'))} running", c["decode"], width=w)
+    row(t, "  waiting", fmt.count(s.get("waiting")))
+    row(t, "  cores", s.get("decode_cores") or fmt.NA, width=w)
+    row(t, "link", link_words(s), c["kv"], width=w)
+    row(t, "hand-offs", f"{fmt.count(s.get('kv_transfers'))} · {fmt.size(s.get('kv_transferred_bytes'))}", c["kv"],
+        width=w)
+    # What a remote vLLM or SGLang split exports besides (metrics_parsers.py), where it does.
+    for label, key, shown in (("mean", "kv_transfer_mean_ms", fmt.ms), ("speed", "kv_transfer_gbps", _gbps),
+                              ("arriving", "kv_transfer_queue", fmt.count)):
+        if s.get(key) is not None:
+            row(t, label, shown(s[key]), c["kv"], width=w)
+    t.append(f"{'last':<13}", style="dim")
+    t.append(f"{fmt.size(s.get('last_kv_transfer_bytes'))} in {fmt.ms(s.get('last_kv_transfer_ms'))}", style=c["kv"])
+    return t
+
+
+def _gbps(value: float) -> str:
+    return f"{value:.2f} GB/s"
+
+
+def link_words(s: dict) -> str:
+    """How the K/V cross: shm or socket, and the simulated bandwidth and latency where set."""
+    words = [s.get("kv_link") or fmt.NA]
+    if s.get("kv_link_gbps") is not None:
+        words.append(f"{s['kv_link_gbps']:g} GB/s")
+    if s.get("kv_link_ms"):
+        words.append(f"+{fmt.ms(s['kv_link_ms'])}")
+    return " · ".join(words)
 
 
 def graph_words(s: dict) -> str:

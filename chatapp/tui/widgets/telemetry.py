@@ -1,5 +1,6 @@
 """The telemetry panel: one bordered section each for phase, latency, timeline, KV cache, batch,
-speculative decoding and device (their text: panel_sections.py).
+workers (only while prefill and decode are disaggregated), speculative decoding and device (their
+text: panel_sections.py).
 
 The screen calls update_data() from an interval timer a few times a second, never per token; a
 section is redrawn only when its text changed.
@@ -33,14 +34,16 @@ class TelemetryPanel(VerticalScroll):
         self.device = DeviceSection()
 
     def compose(self):
-        for name in ("phase", "latency", "timeline", "kv", "batch", "spec", "device"):
+        for name in ("phase", "latency", "timeline", "kv", "batch", "workers", "spec", "device"):
             yield Static(id=f"tm-{name}", classes="tm-section")
 
     def on_mount(self) -> None:
         titles = {"phase": "Reply", "latency": "Latency", "timeline": "Timeline (last reply)",
-                  "kv": "KV cache", "batch": "Batch", "spec": "Speculative decoding", "device": "Device"}
+                  "kv": "KV cache", "batch": "Batch", "workers": "Workers (disaggregated)",
+                  "spec": "Speculative decoding", "device": "Device"}
         for name, title in titles.items():
             self.query_one(f"#tm-{name}").border_title = title
+        self._show("workers", False)           # until the engine says it is disaggregated
 
     def _put(self, name: str, text: Text) -> None:
         text.rstrip()
@@ -50,6 +53,11 @@ class TelemetryPanel(VerticalScroll):
             return                 # unchanged: no repaint (most sections, most of the time)
         # A new layout (the costly part of a refresh) only when the section's height may change.
         static.update(text, layout=not (isinstance(old, Text) and _same_lines(old, text, static.size.width)))
+
+    def _show(self, name: str, shown: bool) -> None:
+        static = self.query_one(f"#tm-{name}", Static)
+        if static.display != shown:
+            static.display = shown
 
     def update_data(self, stats: dict[str, Any], live: LiveSnapshot | None, last: dict | None,
                     caps: dict[str, bool], toggles: dict[str, Any], conv_tokens: int = 0,
@@ -64,5 +72,9 @@ class TelemetryPanel(VerticalScroll):
         self._put("timeline", sections.timeline_text(live, last, c, w))
         self._put("kv", sections.kv_text(stats, c, w, conv_tokens))
         self._put("batch", sections.batch_text(stats))
+        disaggregated = sections.workers_shown(stats)
+        self._show("workers", disaggregated)
+        if disaggregated:
+            self._put("workers", sections.workers_text(stats, c, w))
         self._put("spec", sections.spec_text(last, caps, toggles))
         self._put("device", self.device.text(stats, c, w, now, self.app.theme_variables.get("warning", "yellow")))
