@@ -51,9 +51,9 @@ def filler_text(n_words: int, seed: int = 0) -> str:
 
 def run_suite(name: str, config: EngineConfig, *, quick: bool = False,
               progress: Progress | None = None) -> dict[str, Any]:
-    from pdchat.bench import baseline, gpu, lab, quality, spec, toggles
+    from pdchat.bench import baseline, disagg, gpu, lab, quality, spec, toggles
     suites = {"toggles": toggles.run, "baseline": baseline.run, "spec": spec.run, "lab": lab.run,
-              "quant": quality.run, "gpu": gpu.run}
+              "quant": quality.run, "gpu": gpu.run, "disagg": disagg.run}
     if name not in suites:
         raise InvalidRequest(f"unknown bench suite {name!r}; available: {', '.join(suites)}")
     result = suites[name](config, quick=quick, progress=progress or (lambda what, frac: None))

@@ -2,9 +2,10 @@
 
 Curves: prefill time vs prompt length (a sweep, several repeats, medians) and decode time per
 token vs position (one long generation, medians per position bin); then one experiment per claim
-(int8, KV bytes, prefix cache, batching, chunked prefill, speculative decoding), reusing the
-`toggles` and `spec` suites' measurements. Verdicts come from the pure checks in lab_claims; the
-result, a CSV of the curves and an SVG are written under data_dir()/lab/<timestamp>/.
+(int8, KV bytes, prefix cache, batching, chunked prefill, disaggregation, speculative decoding),
+reusing the `toggles`, `disagg` and `spec` suites' measurements. Verdicts come from the pure checks
+in lab_claims; the result, a CSV of the curves and an SVG are written under
+data_dir()/lab/<timestamp>/.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from pdchat.engine.config import EngineConfig, SamplingParams
 from pdchat.engine.engine import Engine
 from pdchat.engine.stream import TokenEvent
 from pdchat.bench import Progress, filler_text, machine, median, ratio
-from pdchat.bench import lab_claims, lab_files, lab_noise, spec as bench_spec, toggles as bench_toggles
+from pdchat.bench import disagg as bench_disagg, lab_claims, lab_files, lab_noise, spec as bench_spec, \
+    toggles as bench_toggles
 
 SIZES: dict[str, dict[str, Any]] = {
     # ~4 minutes for smollm2-135m on a 2-core CPU.
@@ -31,19 +33,24 @@ SIZES: dict[str, dict[str, Any]] = {
                   batch_sizes=[1, 4, 16], batch_tokens=32, chunk_words=200, chunks=[16, 64, None], spec_tokens=24),
 }
 STEPS = ["prefill sweep", "decode vs position", "int8 weights", "KV bytes", "prefix cache", "batching",
-         "chunked prefill", "speculative decoding"]
+         "chunked prefill", "disaggregation", "speculative decoding"]
 # Share of the run each step takes at each size (smollm2-135m on a 2-core CPU), so that the fraction
-# done, and the time left a reader draws from it, move at an even pace.
-SHARES = {"full": [0.22, 0.2, 0.08, 0.01, 0.08, 0.15, 0.1, 0.16],
-          "quick": [0.12, 0.08, 0.06, 0.01, 0.11, 0.23, 0.16, 0.23]}
+# done, and the time left a reader draws from it, move at an even pace. (The disaggregation step's
+# shares are estimates, not measured yet: it starts a prefill worker twice.)
+SHARES = {"full": [0.2, 0.19, 0.08, 0.01, 0.08, 0.14, 0.09, 0.06, 0.15],
+          "quick": [0.1, 0.07, 0.05, 0.01, 0.09, 0.19, 0.13, 0.17, 0.19]}
+# The disaggregation experiment's slow link: 10x slower than `bench disagg`'s example, so that on a
+# CPU the hand-off's time stands out of the prefill's run-to-run noise (at 1 GB/s the default
+# model's K/V take about 1% of its prefill time on one core).
+SLOW_LINK_GBPS = 0.1
 
 
 def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, Any]:
     mode = "quick" if quick else "full"
     sizes = SIZES[mode]
-    # Prefix cache off and speculation off: every measurement really computes what it times;
-    # each experiment turns on only the toggle it studies.
-    engine = Engine(replace(config, telemetry=False, prefix_cache=False, spec="off", quant="none"),
+    # Prefix cache, speculation and disaggregation off: every measurement really computes what it
+    # times, in one process; each experiment turns on only the toggle it studies.
+    engine = Engine(replace(config, telemetry=False, prefix_cache=False, spec="off", quant="none", disaggregate=False),
                     say=lambda m: None)
     try:
         out: dict[str, Any] = {"suite": "lab", "model": config.model, "device": str(engine.device),
@@ -68,7 +75,7 @@ def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, A
         for i, (key, fn) in enumerate([("prefill", _prefill_sweep), ("decode", _decode_positions),
                                        ("int8", _int8), ("kv", _kv_bytes), ("prefix_cache", _prefix),
                                        ("batching", _batching), ("chunked_prefill", _chunked),
-                                       ("spec", _spec)]):
+                                       ("disaggregation", _disaggregation), ("spec", _spec)]):
             exp[key] = fn(engine, sizes, step(i))
             busy[key] = others.since_last()
             done += SHARES[mode][i]
@@ -204,6 +211,16 @@ def _chunked(engine: Engine, sizes: dict[str, Any], progress: Progress) -> dict[
     return bench_toggles.chunked_prefill(engine, sizes["chunk_words"], sizes["chunks"])
 
 
+def _disaggregation(engine: Engine, sizes: dict[str, Any], progress: Progress) -> dict[str, Any]:
+    # The chunked-prefill experiment's newcomer, one round; no socket row: the claim needs no second engine.
+    slow = replace(bench_disagg.SLOW, link_gbps=SLOW_LINK_GBPS)
+    setups = [bench_disagg.CHUNKED, bench_disagg.ONE_STEP, bench_disagg.SHM, slow]
+    try:
+        return bench_disagg.measure(engine, sizes["chunk_words"], setups, 1, progress)
+    except bench_disagg.WorkerUnavailable as e:        # the other claims stand: this one says why not
+        return {"available": False, "reason": str(e)}
+
+
 def _spec(engine: Engine, sizes: dict[str, Any], progress: Progress) -> dict[str, Any]:
     workloads = {"grounded": bench_spec.GROUNDED[:1], "open-ended": bench_spec.OPEN_ENDED[:1]}
     return {"max_tokens": sizes["spec_tokens"], "k": engine.config.spec_tokens,
@@ -236,9 +253,21 @@ def claims(exp: dict[str, Any]) -> list[lab_claims.Verdict]:
     crows = exp["chunked_prefill"]["rows"]
     out.append(lab_claims.chunked_prefill(_chunk_axis(crows), [r["newcomer_ttft_ms"] for r in crows],
                                           [r["worst_gap_over_tpot"] for r in crows]))
+    out.append(_disaggregation_claim(exp["disaggregation"]))
     points = _spec_points(exp["spec"])
     out.append(lab_claims.spec_vs_acceptance([p[0] for p in points], [p[1] for p in points]))
     return out
+
+
+def _disaggregation_claim(d: dict[str, Any]) -> lab_claims.Verdict:
+    rows = {r["setup"]: r for r in d.get("rows", [])}       # none where the prefill worker did not start
+    chunked, shm, slow = (rows.get(s.name, {}) for s in (bench_disagg.CHUNKED, bench_disagg.SHM, bench_disagg.SLOW))
+    return lab_claims.disaggregation(
+        colocated_gap=chunked.get("worst_gap_over_tpot"), disaggregated_gap=shm.get("worst_gap_over_tpot"),
+        colocated_ttft_ms=chunked.get("newcomer_ttft_ms"), disaggregated_ttft_ms=shm.get("newcomer_ttft_ms"),
+        transfer_ms=shm.get("kv_transfer_ms"), transfer_bytes=shm.get("kv_transfer_bytes"),
+        slow_ttft_ms=slow.get("newcomer_ttft_ms"), slow_transfer_ms=slow.get("kv_transfer_ms"),
+        slow_link_gbps=d.get("slow_link_gbps"), slow_link_ms=d.get("slow_link_ms"), reason=d.get("reason", ""))
 
 
 def _chunk_axis(rows: list[dict[str, Any]]) -> list[int]:
@@ -283,12 +312,25 @@ def curves(exp: dict[str, Any]) -> list[dict[str, Any]]:
         _curve("chunk_stall", "Chunked prefill: others' worst stall", "chunk tokens", "x TPOT",
                _chunk_axis(c), [r["worst_gap_over_tpot"] for r in c], "decode"),
     ]
+    if exp["disaggregation"].get("rows"):
+        out.append(_disaggregation_curve(exp["disaggregation"]["rows"]))
     if s:
         spec = _curve("spec", "Speculative decoding", "acceptance", "speed-up", [p[0] for p in s],
                       [p[1] for p in s], "cached", kind="scatter")
         spec["labels"] = [p[2] for p in s]            # which method on which workload each point is
         out.append(spec)
     return out
+
+
+def _disaggregation_curve(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One bar per setup: the newcomer's TTFT, its K/V hand-off as the bar's last stretch, and the
+    running stream's worst stall as the bar's note."""
+    curve = _curve("disagg", "Disaggregation: TTFT and stall", "setup", "newcomer's TTFT, ms",
+                   [r["setup"] for r in rows], [r["newcomer_ttft_ms"] for r in rows], "prefill", kind="bars")
+    curve["part"] = [r["kv_transfer_ms"] or 0.0 for r in rows]
+    curve["part_label"], curve["part_role"] = "K/V hand-off", "kv"
+    curve["notes"] = [f"stall {r['worst_gap_over_tpot']:.1f}× TPOT" for r in rows]
+    return curve
 
 
 def _curve(cid: str, title: str, x_label: str, y_label: str, x: list, y: list, role: str, *,

@@ -193,6 +193,48 @@ def chunked_prefill(chunks: list[int], newcomer_ttft_ms: list[float], stall_over
                    smallest_chunk_ttft_ms=newcomer_ttft_ms[0], largest_chunk_ttft_ms=newcomer_ttft_ms[-1])
 
 
+DISAGG_GAP_MAX = 2.0       # a stream's worst gap, in its TPOTs, with no prefill in its way
+DISAGG_TTFT_SHARE = 0.5    # of a slower link's extra hand-off time that must show in the TTFT
+
+
+def break_even_gbps(transfer_bytes: int | None, ttft_ms: float | None, transfer_ms: float | None,
+                    colocated_ttft_ms: float | None) -> float | None:
+    """The link speed (GB/s) at which the K/V hand-off alone would use up a disaggregated
+    newcomer's TTFT lead over colocated serving; slower links make it wait longer than colocated.
+    None where there is no lead to use up (or nothing was measured)."""
+    if None in (transfer_bytes, ttft_ms, transfer_ms, colocated_ttft_ms):
+        return None
+    lead_ms = colocated_ttft_ms - (ttft_ms - transfer_ms)       # against the TTFT without the hand-off
+    return transfer_bytes / (lead_ms / 1000) / 1e9 if lead_ms > 0 else None
+
+
+def disaggregation(*, colocated_gap: float | None, disaggregated_gap: float | None, colocated_ttft_ms: float | None,
+                   disaggregated_ttft_ms: float | None, transfer_ms: float | None, transfer_bytes: int | None,
+                   slow_ttft_ms: float | None, slow_transfer_ms: float | None, slow_link_gbps: float | None,
+                   slow_link_ms: float | None, reason: str = "") -> Verdict:
+    """A prefill in its own process no longer stalls a decoding stream (its worst gap, in TPOTs,
+    against colocated chunked prefill), and the newcomer's TTFT pays the K/V hand-off instead:
+    over a slower link its TTFT rises with the hand-off's time. Without hand-offs (no prefill
+    worker: `reason`) there is no verdict."""
+    claim = "Disaggregation removes prefill interference from decode at the cost of KV transfer in TTFT"
+    rule = (f"disaggregated, the stream's worst gap is at most {DISAGG_GAP_MAX:g}× its TPOT and below the "
+            f"colocated one's (chunked prefill), and over a slower link the newcomer's TTFT rises by at least "
+            f"{DISAGG_TTFT_SHARE:.0%} of the extra hand-off time")
+    if transfer_ms is None or slow_transfer_ms is None:
+        return verdict("disaggregation", claim, None, rule, reason=reason or "no K/V hand-off was measured")
+    ttft_rise, transfer_rise = slow_ttft_ms - disaggregated_ttft_ms, slow_transfer_ms - transfer_ms
+    ok = (disaggregated_gap <= DISAGG_GAP_MAX and disaggregated_gap < colocated_gap and transfer_rise > 0
+          and ttft_rise >= DISAGG_TTFT_SHARE * transfer_rise)
+    return verdict("disaggregation", claim, ok, rule,
+                   colocated_gap_over_tpot=colocated_gap, disaggregated_gap_over_tpot=disaggregated_gap,
+                   colocated_ttft_ms=colocated_ttft_ms, disaggregated_ttft_ms=disaggregated_ttft_ms,
+                   transfer_ms=transfer_ms, transfer_bytes=transfer_bytes, slow_link_gbps=slow_link_gbps,
+                   slow_link_ms=slow_link_ms, slow_transfer_ms=slow_transfer_ms, ttft_rise_ms=ttft_rise,
+                   transfer_rise_ms=transfer_rise,
+                   break_even_gbps=break_even_gbps(transfer_bytes, disaggregated_ttft_ms, transfer_ms,
+                                                   colocated_ttft_ms))
+
+
 def spec_vs_acceptance(acceptance: list[float], speedup: list[float]) -> Verdict:
     """Speculative decoding pays in proportion to how many drafted tokens the target accepts."""
     claim = "Speculative decoding's speed-up grows with the acceptance rate"

@@ -1,5 +1,6 @@
 """A small dependency-free SVG chart: a grid of panels, one curve each (line or scatter, with an
-optional dashed least-squares line). Enough for the lab's figures without a plotting library."""
+optional dashed least-squares line, or horizontal bars by category). Enough for the lab's figures
+without a plotting library."""
 from __future__ import annotations
 
 import math
@@ -55,8 +56,7 @@ def _panel(c: dict[str, Any], ox: float, oy: float) -> list[str]:
     def py(y: float) -> float:
         return bottom - (y - y0) / (y1 - y0) * (bottom - top)
 
-    out = [f'<rect x="{ox + 4}" y="{oy + 4}" width="{PANEL_W - 8}" height="{PANEL_H - 8}" rx="8" class="card"/>',
-           f'<text x="{ox + 14}" y="{oy + 21}" class="title">{escape(c["title"])}</text>']
+    out = _card(c, ox, oy)
     for t in yt:
         out.append(f'<line x1="{left}" x2="{right}" y1="{py(t):.1f}" y2="{py(t):.1f}" class="grid"/>')
         out.append(f'<text x="{left - 5}" y="{py(t) + 3.5:.1f}" class="tick" text-anchor="end">{_label(t)}</text>')
@@ -82,6 +82,48 @@ def _panel(c: dict[str, Any], ox: float, oy: float) -> list[str]:
     return out
 
 
+def _card(c: dict[str, Any], ox: float, oy: float) -> list[str]:
+    return [f'<rect x="{ox + 4}" y="{oy + 4}" width="{PANEL_W - 8}" height="{PANEL_H - 8}" rx="8" class="card"/>',
+            f'<text x="{ox + 14}" y="{oy + 21}" class="title">{escape(c["title"])}</text>']
+
+
+def _bars(c: dict[str, Any], ox: float, oy: float) -> list[str]:
+    """kind "bars": one horizontal bar per category (x), its length y from 0, its name and note
+    above it; `part` (optional) is each bar's last stretch, drawn in `part_role`'s colour and named
+    by `part_label` beside the axis label."""
+    ys = [float(y) for y in c["y"]]
+    ticks = nice_ticks(0.0, max(ys))
+    left, right, top, bottom = ox + 14, ox + PANEL_W - PAD_R, oy + PAD_T, oy + PANEL_H - PAD_B
+    row = (bottom - top) / len(ys)
+
+    def px(v: float) -> float:
+        return left + v / ticks[-1] * (right - left)
+
+    out = _card(c, ox, oy)
+    for t in ticks:
+        out.append(f'<line x1="{px(t):.1f}" x2="{px(t):.1f}" y1="{top}" y2="{bottom}" class="grid"/>')
+        out.append(f'<text x="{px(t):.1f}" y="{bottom + 13}" class="tick" text-anchor="middle">{_label(t)}</text>')
+    colour = ROLE_COLOURS.get(c.get("role", ""), "#334155")
+    part_colour = ROLE_COLOURS.get(c.get("part_role", ""), "#64748b")
+    parts, notes = c.get("part") or [0.0] * len(ys), c.get("notes") or [""] * len(ys)
+    for i, (name, y, part, note) in enumerate(zip(c["x"], ys, parts, notes)):
+        y0 = top + i * row
+        out.append(f'<text x="{left}" y="{y0 + 10:.1f}" class="tick">{escape(str(name))}</text>')
+        out.append(f'<text x="{right}" y="{y0 + 10:.1f}" class="tick" text-anchor="end">{escape(note)}</text>')
+        out.append(f'<rect x="{left}" y="{y0 + 14:.1f}" width="{px(y) - left:.1f}" height="{min(12.0, row - 16):.1f}" '
+                   f'fill="{colour}"/>')
+        if part:
+            out.append(f'<rect x="{px(y - part):.1f}" y="{y0 + 14:.1f}" width="{px(y) - px(y - part):.1f}" '
+                       f'height="{min(12.0, row - 16):.1f}" fill="{part_colour}"/>')
+    out.append(f'<line x1="{left}" x2="{right}" y1="{bottom}" y2="{bottom}" class="axis"/>')
+    out.append(f'<text x="{left}" y="{bottom + 28}" class="axislabel">{escape(c["y_label"])}</text>')
+    if c.get("part_label"):
+        out.append(f'<rect x="{right - 8}" y="{bottom + 20}" width="8" height="8" fill="{part_colour}"/>')
+        out.append(f'<text x="{right - 12}" y="{bottom + 28}" class="axislabel" text-anchor="end">'
+                   f'{escape(c["part_label"])}</text>')
+    return out
+
+
 def _point_label(x: float, y: float, label: str, right_half: bool) -> str:
     # Labels in the right half end at their point, so they stay inside the panel.
     anchor, dx = ("end", -5) if right_half else ("start", 5)
@@ -102,6 +144,7 @@ def svg(curves: list[dict[str, Any]], title: str, subtitle: str = "") -> str:
              f'<text x="20" y="26" font-size="18" font-weight="700" fill="#0f172a">{escape(title)}</text>',
              f'<text x="20" y="44" font-size="12" fill="#64748b">{escape(subtitle)}</text>']
     for i, c in enumerate(curves):
-        parts += _panel(c, 8 + (i % COLS) * PANEL_W, HEADER + (i // COLS) * PANEL_H)
+        draw = _bars if c.get("kind") == "bars" else _panel
+        parts += draw(c, 8 + (i % COLS) * PANEL_W, HEADER + (i // COLS) * PANEL_H)
     parts.append("</svg>")
     return "\n".join(parts) + "\n"

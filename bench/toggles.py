@@ -12,18 +12,23 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 from pdchat.engine.config import EngineConfig, SamplingParams
 from pdchat.engine.engine import Engine
+from pdchat.engine.metrics import RequestMetrics
 from pdchat.engine.stream import FinishEvent, TokenEvent
 from pdchat.bench import Progress, filler_text, median, ratio
 
+# The long prompt that arrives mid-stream (here and in `bench disagg`): at full size 1,728 tokens of
+# the default model, its chat template included.
+NEWCOMER_WORDS, QUICK_NEWCOMER_WORDS = 1500, 150
+
 
 def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, Any]:
-    sizes = dict(conversation_words=120, long_prompt_words=150, batch=4, naive_position=100, repeats=1,
-                 budgets=[2.5], chunks=[16, None], rounds=1) if quick else \
-        dict(conversation_words=1500, long_prompt_words=1500, batch=16, naive_position=500, repeats=3,
+    sizes = dict(conversation_words=120, long_prompt_words=QUICK_NEWCOMER_WORDS, batch=4, naive_position=100,
+                 repeats=1, budgets=[2.5], chunks=[16, None], rounds=1) if quick else \
+        dict(conversation_words=1500, long_prompt_words=NEWCOMER_WORDS, batch=16, naive_position=500, repeats=3,
              budgets=[2.0, 2.5, 3.0, 4.0, 6.0], chunks=[16, 32, 64, 128, 256, None], rounds=3)
     engine = Engine(replace(config, telemetry=False), say=lambda m: None)
     try:
@@ -74,19 +79,18 @@ def prefix_cache(engine: Engine, words: int, repeats: int) -> dict[str, Any]:
 def chunked_prefill(engine: Engine, words: int, chunks: list[int | None],
                     budgets: list[float] = (), rounds: int = 1) -> dict[str, Any]:
     """One row per step budget (chunk "auto": slices sized by time), then per fixed chunk size:
-    each measure the median of `rounds` rounds (settings interleaved within a round), because a
-    worst gap is one step, and one hiccup of the machine makes it."""
+    each the median of `rounds` interleaved rounds (interleaved_medians)."""
     base = engine.config
-    long_prompt = "Read this:\n" + filler_text(words, seed=1) + "\nSummarize it."
+    long_prompt = newcomer_prompt(words)
     settings = [dict(chunk_size="auto", step_budget=b) for b in budgets] + \
         [dict(chunk_size=c, step_budget=None) for c in chunks]
-    runs: list[list[dict[str, Any]]] = [[] for _ in settings]
-    for _ in range(rounds):
-        for setting, seen in zip(settings, runs):
-            engine.update(chunk_size=setting["chunk_size"], step_budget=setting["step_budget"] or base.step_budget,
-                          prefix_cache=False)   # the newcomer must really prefill
-            seen.append(_stutter(engine, long_prompt))
-    rows = [setting | {key: median([r[key] for r in seen]) for key in seen[0]} for setting, seen in zip(settings, runs)]
+
+    def measure(setting: dict[str, Any]) -> dict[str, Any]:
+        engine.update(chunk_size=setting["chunk_size"], step_budget=setting["step_budget"] or base.step_budget,
+                      prefix_cache=False)   # the newcomer must really prefill
+        return stutter(engine, long_prompt)[0]
+
+    rows = interleaved_medians(settings, measure, rounds)
     _restore(engine, base)
     default = next((r for r in rows if r["chunk_size"] == base.chunk_size
                     and r["step_budget"] in (None, base.step_budget)), None)
@@ -99,7 +103,36 @@ def chunked_prefill(engine: Engine, words: int, chunks: list[int | None],
     return out
 
 
-def _stutter(engine: Engine, long_prompt: str) -> dict[str, Any]:
+def interleaved_medians(settings: list[dict[str, Any]], measure: Callable[[dict[str, Any]], dict[str, Any]],
+                        rounds: int) -> list[dict[str, Any]]:
+    """`measure` each setting `rounds` times, the settings interleaved within a round (machine noise
+    hits them alike); one row per setting: the setting and the median of each measured value over
+    the rounds, because a worst gap is one step, and one hiccup of the machine makes it."""
+    runs: list[list[dict[str, Any]]] = [[] for _ in settings]
+    for _ in range(rounds):
+        for setting, seen in zip(settings, runs):
+            seen.append(measure(setting))
+    return [setting | {key: _over_rounds([r[key] for r in seen]) for key in seen[0]}
+            for setting, seen in zip(settings, runs)]
+
+
+def _over_rounds(values: list[Any]) -> Any:
+    if any(v is None for v in values):          # not measured in some round (e.g. no hand-off)
+        return None
+    if all(isinstance(v, bool) for v in values):
+        return all(values)                      # a check holds only if it held in every round
+    if all(isinstance(v, (int, float)) for v in values):
+        return median(values)
+    return " / ".join(dict.fromkeys(map(str, values)))     # text (the cores a row ran on): each one seen
+
+
+def newcomer_prompt(words: int) -> str:
+    return "Read this:\n" + filler_text(words, seed=1) + "\nSummarize it."
+
+
+def stutter(engine: Engine, long_prompt: str) -> tuple[dict[str, Any], RequestMetrics]:
+    """A stream decodes; at its 12th token `long_prompt` arrives. The stream's worst gap (and p95)
+    from then on against its median TPOT before, the newcomer's TTFT; and the newcomer's own metrics."""
     stream = engine.submit("Tell me a very long story about a lighthouse keeper.",
                            SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True))
     times: list[float] = []
@@ -121,10 +154,10 @@ def _stutter(engine: Engine, long_prompt: str) -> dict[str, Any]:
     during = [(b - a) * 1000 for a, b in zip(times, times[1:]) if b > arrival]
     tpot = median(before)
     worst = max(during)
-    result = newcomer.result()
+    metrics = newcomer.result().metrics
     return {"median_tpot_ms": tpot, "worst_gap_ms": worst, "worst_gap_over_tpot": worst / tpot,
             "p95_gap_over_tpot": statistics.quantiles(during, n=20, method="inclusive")[-1] / tpot if len(during) > 1 else worst / tpot,
-            "newcomer_prompt_tokens": result.metrics.prompt_tokens, "newcomer_ttft_ms": result.metrics.ttft_ms}
+            "newcomer_prompt_tokens": metrics.prompt_tokens, "newcomer_ttft_ms": metrics.ttft_ms}, metrics
 
 
 def batch_point(engine: Engine, count: int, max_tokens: int = 64) -> tuple[float, float]:

@@ -79,10 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_bench(sub: Any, shared: argparse.ArgumentParser) -> None:
-    bench = sub.add_parser("bench", parents=[shared], help="measure: lab | toggles | baseline | spec | quant | gpu | serve")
+    bench = sub.add_parser("bench", parents=[shared], help="measure: lab | toggles | baseline | spec | quant | gpu | disagg | serve")
     bench.add_argument("suite", help="lab (the claims, with curves and verdicts) | toggles | baseline | spec | "
                        "quant (quality of int8/int4 weights) | gpu (CUDA graphs, roofline, HF, throughput on a "
-                       "GPU) | serve")
+                       "GPU) | disagg (a stream's stalls and a newcomer's TTFT, colocated vs disaggregated) | serve")
     bench.add_argument("--json", action="store_true", help="print machine-readable results")
     bench.add_argument("--quick", action="store_true",
                        help="small sizes: the lab in under a minute (fewer points, noisier); others: a smoke test")

@@ -1,5 +1,6 @@
-"""Terminal curves for the lab: braille-dot line charts as plain strings (the CLI and the Lab
-screen colour them). Each character cell holds 2 x 4 dots, so a 40 x 8 chart has 80 x 32 dots."""
+"""Terminal curves for the lab: braille-dot line charts (and block-character bars) as plain
+strings (the CLI and the Lab screen colour them). Each character cell holds 2 x 4 dots, so a 40 x 8
+chart has 80 x 32 dots."""
 from __future__ import annotations
 
 from typing import Any
@@ -41,9 +42,11 @@ def _num(v: float) -> str:
 
 def chart(curve: dict[str, Any], width: int = 40, height: int = 6) -> list[str]:
     """A titled chart of one lab curve: y labels at the top and bottom, the x range underneath."""
-    xs, ys = [float(x) for x in curve["x"]], [float(y) for y in curve["y"]]
-    if not xs:
+    if not curve["x"]:
         return [curve["title"], "  (no data)"]
+    if curve.get("kind") == "bars":
+        return bars(curve, width)
+    xs, ys = [float(x) for x in curve["x"]], [float(y) for y in curve["y"]]
     top = max(ys) or 1.0
     plot = braille(xs, ys, width, height, connect=curve.get("kind") != "scatter", y_max=top)
     label_w = max(len(_num(top)), 1)
@@ -54,3 +57,19 @@ def chart(curve: dict[str, Any], width: int = 40, height: int = 6) -> list[str]:
     lo, hi = _num(min(xs)), _num(max(xs))
     lines.append(" " * (label_w + 2) + lo + curve["x_label"].center(max(width - len(lo) - len(hi), 0)) + hi)
     return lines
+
+
+def bars(curve: dict[str, Any], width: int) -> list[str]:
+    """A bars curve: per category a line with its name and value, then its bar from 0 (its `part`
+    drawn ▒ at the end) and its note, in `width` columns; the last line gives the scale."""
+    ys = [float(y) for y in curve["y"]]
+    top = max(ys) or 1.0
+    parts, notes = curve.get("part") or [0.0] * len(ys), curve.get("notes") or [""] * len(ys)
+    room = max(4, width - 2 - max(len(n) for n in notes))
+    lines = [f"{curve['title']} ({curve['y_label']})"]
+    for name, y, part, note in zip(curve["x"], ys, parts, notes):
+        whole = round(y / top * room)
+        tail = min(round(part / top * room), whole)
+        lines += [f"{name}: {_num(y)}", "┤" + "█" * (whole - tail) + "▒" * tail + f" {note}"]
+    legend = f"   ▒ {curve['part_label']}" if curve.get("part_label") else ""
+    return lines + [f"0 … {_num(top)}{legend}"]

@@ -44,8 +44,8 @@ def curve_text(curve: dict[str, Any], width: int, height: int = 6, colours: dict
     lines = chart(curve, width=width, height=height)
     text = Text(lines[0] + "\n", style="bold")
     for line in lines[1:-1]:
-        axis, _, dots = line.partition("┤")
-        text.append(axis + "┤", style="dim").append(dots + "\n", style=colour)
+        axis, mark, dots = line.partition("┤")          # (a bar chart's name lines have no axis)
+        text.append(axis + mark, style="dim").append(dots + "\n", style=colour)
     text.append(lines[-1], style="dim")
     for x, y, label in zip(curve["x"], curve["y"], curve.get("labels") or []):   # scatter points named
         text.append(f"\n  {label}: {curve['x_label']} {x:.2f}, {curve['y_label']} {y:.2f}", style="dim")

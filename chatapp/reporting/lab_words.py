@@ -15,6 +15,14 @@ def _ms(v: float | None) -> str:
     return NA if v is None else f"{v:,.0f} ms" if abs(v) >= 10 else f"{v:.1f} ms"
 
 
+def _delta_ms(v: float) -> str:
+    return f"{v:+,.0f} ms" if abs(v) >= 10 else f"{v:+.1f} ms"
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB" if n >= 100_000 else f"{n:,} bytes"
+
+
 def _pct(v: float | None) -> str:
     return NA if v is None else f"{v:+.0%}"
 
@@ -72,6 +80,20 @@ def _chunked(n: dict[str, Any]) -> str:
             f"{n['largest_chunk_stall']:.1f}× their TPOT)")
 
 
+def _disaggregation(n: dict[str, Any]) -> str:
+    if "transfer_ms" not in n:
+        return n.get("reason", NA)
+    be = n["break_even_gbps"]
+    cost = (f"below {be:.2g} GB/s the hand-off alone would cost the newcomer more than colocated slices"
+            if be is not None else "even without the hand-off the newcomer waits longer than colocated")
+    return (f"disaggregated, the stream's worst gap is {n['disaggregated_gap_over_tpot']:.1f}× its TPOT "
+            f"(colocated, chunked: {n['colocated_gap_over_tpot']:.1f}×); the newcomer's TTFT is "
+            f"{_ms(n['disaggregated_ttft_ms'])} (colocated, chunked: {_ms(n['colocated_ttft_ms'])}), its "
+            f"{_bytes(n['transfer_bytes'])} of K/V handed over in {_ms(n['transfer_ms'])}; over a "
+            f"{n['slow_link_gbps']:g} GB/s, {n['slow_link_ms']:g} ms link the hand-off takes "
+            f"{_ms(n['transfer_rise_ms'])} longer and the TTFT changes by {_delta_ms(n['ttft_rise_ms'])}; {cost}")
+
+
 def _spec(n: dict[str, Any]) -> str:
     if "trend" not in n:
         return n.get("reason", NA)
@@ -82,7 +104,7 @@ def _spec(n: dict[str, Any]) -> str:
 SENTENCES: dict[str, Callable[[dict[str, Any]], str]] = {
     "prefill_linear": _prefill_linear, "decode_slow_growth": _decode_growth, "prefill_vs_decode": _prefill_vs_decode,
     "int8_memory_bound": _int8, "kv_bytes": _kv, "prefix_cache": _prefix, "batching": _batching,
-    "chunked_prefill": _chunked, "spec": _spec,
+    "chunked_prefill": _chunked, "disaggregation": _disaggregation, "spec": _spec,
 }
 
 

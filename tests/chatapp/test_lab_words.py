@@ -15,6 +15,15 @@ VERDICTS = [
     c.prefix_cache(147.0, 3399.0, 1793, 1760),
     c.batching([1, 4, 16], [50.0, 120.0, 225.0], [20.0, 33.0, 70.0]),
     c.chunked_prefill([16, 32, 1728], [10700.0, 8000.0, 3100.0], [7.2, 10.0, 169.3]),
+    c.disaggregation(colocated_gap=3.3, disaggregated_gap=1.1, colocated_ttft_ms=6570.0, disaggregated_ttft_ms=4600.0,
+                     transfer_ms=12.0, transfer_bytes=79_534_080, slow_ttft_ms=5420.0, slow_transfer_ms=806.0,
+                     slow_link_gbps=0.1, slow_link_ms=10.0),
+    c.disaggregation(colocated_gap=3.3, disaggregated_gap=1.1, colocated_ttft_ms=4000.0, disaggregated_ttft_ms=4600.0,
+                     transfer_ms=12.0, transfer_bytes=79_534_080, slow_ttft_ms=5420.0, slow_transfer_ms=806.0,
+                     slow_link_gbps=0.1, slow_link_ms=10.0),
+    c.disaggregation(colocated_gap=3.3, disaggregated_gap=1.1, colocated_ttft_ms=6570.0, disaggregated_ttft_ms=4600.0,
+                     transfer_ms=None, transfer_bytes=None, slow_ttft_ms=5420.0, slow_transfer_ms=None,
+                     slow_link_gbps=0.1, slow_link_ms=10.0),
     c.spec_vs_acceptance([0.2, 0.6], [0.9, 1.4]),
     c.spec_vs_acceptance([0.5], [1.1]),
 ]
@@ -46,6 +55,14 @@ def test_the_sentences_carry_the_numbers():
                                           "(20 ms each)")
     assert "newcomer's TTFT steadily falls (10,700 ms → 3,100 ms)" in words["chunked_prefill"]
     assert "worst stall steadily rises (7.2× → 169.3× their TPOT)" in words["chunked_prefill"]
+    lead, slower_anyway, unmeasured = (in_words(v) for v in VERDICTS if v["id"] == "disaggregation")
+    assert lead == (
+        "disaggregated, the stream's worst gap is 1.1× its TPOT (colocated, chunked: 3.3×); the newcomer's TTFT is "
+        "4,600 ms (colocated, chunked: 6,570 ms), its 79.5 MB of K/V handed over in 12 ms; over a 0.1 GB/s, 10 ms "
+        "link the hand-off takes 794 ms longer and the TTFT changes by +820 ms; below 0.04 GB/s the hand-off alone "
+        "would cost the newcomer more than colocated slices")
+    assert slower_anyway.endswith("; even without the hand-off the newcomer waits longer than colocated")
+    assert unmeasured == "no K/V hand-off was measured"
     assert in_words(VERDICTS[-1]) == "fewer than two measured points"
     assert in_words(VERDICTS[4]) == "no int8 kernel here"
 

@@ -13,7 +13,7 @@ from pdchat.bench import median, run_suite
 from pdchat.bench.svg_plot import nice_ticks, svg
 
 CLAIM_IDS = ["prefill_linear", "decode_slow_growth", "prefill_vs_decode", "int8_memory_bound", "kv_bytes",
-             "prefix_cache", "batching", "chunked_prefill", "spec"]
+             "prefix_cache", "batching", "chunked_prefill", "disaggregation", "spec"]
 
 
 @pytest.fixture(autouse=True)
@@ -118,6 +118,46 @@ def test_chunked_prefill_trade_off_directions():
     assert lc.chunked_prefill([32, 64, 128], [3000, 6000, 9000], [3.7, 6.0, 9.0])["verdict"] == lc.NOT_CONFIRMED
 
 
+DISAGG = dict(colocated_gap=3.3, disaggregated_gap=1.2, colocated_ttft_ms=6500.0, disaggregated_ttft_ms=4500.0,
+              transfer_ms=20.0, transfer_bytes=80_000_000, slow_ttft_ms=5300.0, slow_transfer_ms=810.0,
+              slow_link_gbps=0.1, slow_link_ms=10.0)
+
+
+def test_disaggregation_removes_the_stall_and_pays_the_hand_off_in_ttft():
+    v = lc.disaggregation(**DISAGG)
+    assert v["verdict"] == lc.CONFIRMED
+    n = v["numbers"]
+    assert (n["ttft_rise_ms"], n["transfer_rise_ms"]) == pytest.approx((800, 790))
+    # the TTFT without the hand-off is 4,480 ms, 2,020 ms under colocated: 80 MB in 2.02 s
+    assert n["break_even_gbps"] == pytest.approx(0.08 / 2.02)
+
+
+@pytest.mark.parametrize("change", [
+    dict(disaggregated_gap=2.1),                        # still stalls beyond 2 TPOTs
+    dict(colocated_gap=1.1),                            # colocated stalled no more: nothing removed
+    dict(slow_ttft_ms=4800.0),                          # 300 ms of 790 more hand-off reached the TTFT
+    dict(slow_transfer_ms=20.0, slow_ttft_ms=4600.0),   # the slower link took no longer
+])
+def test_disaggregation_not_confirmed(change):
+    assert lc.disaggregation(**{**DISAGG, **change})["verdict"] == lc.NOT_CONFIRMED
+
+
+def test_disaggregation_without_a_hand_off_is_not_available():
+    v = lc.disaggregation(**{**DISAGG, "transfer_ms": None, "transfer_bytes": None})
+    assert v["verdict"] == lc.UNAVAILABLE and v["numbers"] == {"reason": "no K/V hand-off was measured"}
+
+
+def test_no_prefill_worker_no_disaggregation_verdict():
+    v = bench_lab._disaggregation_claim({"available": False, "reason": "the prefill worker did not start"})
+    assert v["verdict"] == lc.UNAVAILABLE and v["numbers"] == {"reason": "the prefill worker did not start"}
+
+
+def test_break_even_link_speed():
+    assert lc.break_even_gbps(2_000_000_000, 1500.0, 500.0, 3000.0) == pytest.approx(1.0)    # 2 GB in 2 s
+    assert lc.break_even_gbps(2_000_000_000, 3600.0, 500.0, 3000.0) is None     # slower even without it
+    assert lc.break_even_gbps(None, 1500.0, 500.0, 3000.0) is None
+
+
 def test_spec_speedup_follows_acceptance():
     assert lc.spec_vs_acceptance([0.16, 0.64, 0.83, 0.98], [1.5, 1.3, 1.1, 0.9])["verdict"] == lc.NOT_CONFIRMED
     v = lc.spec_vs_acceptance([0.1, 0.5, 0.9], [0.9, 1.4, 2.5])
@@ -169,6 +209,32 @@ def test_svg_has_one_panel_per_curve_and_escapes_text():
     assert doc.startswith("<svg") and doc.rstrip().endswith("</svg>")
     assert doc.count('class="card"') == 2 and doc.count("<polyline") == 1     # the scatter has no line
     assert "a &lt;t&gt;" in doc and "m &amp; d" in doc
+
+
+BARS = {"id": "d", "title": "bars", "x_label": "setup", "y_label": "TTFT, ms", "x": ["a & b", "c"], "y": [400.0, 100.0],
+        "role": "prefill", "kind": "bars", "part": [100.0, 0.0], "part_role": "kv", "part_label": "hand-off",
+        "notes": ["stall 1.1×", "stall 9×"]}
+
+
+def test_bars_are_drawn_to_scale_with_their_part_names_and_notes():
+    doc = svg([BARS], title="lab")
+    # ticks 0..400 over the panel's 272 px from x = 22: 0.68 px per ms; rows of 75 px from y = 82
+    assert '<rect x="22" y="96.0" width="272.0" height="12.0" fill="#b45309"/>' in doc
+    assert '<rect x="226.0" y="96.0" width="68.0" height="12.0" fill="#7e22ce"/>' in doc      # its last 100 ms
+    assert '<rect x="22" y="171.0" width="68.0" height="12.0" fill="#b45309"/>' in doc
+    assert doc.count('fill="#7e22ce"') == 2                                  # one part, and the legend
+    assert ">a &amp; b</text>" in doc and ">stall 9×</text>" in doc and ">hand-off</text>" in doc
+    assert "<polyline" not in doc and "<circle" not in doc
+
+
+def test_bars_in_the_terminal():
+    from pdchat.chatapp.reporting.lab_plot import chart
+    from pdchat.chatapp.reporting.lab_report import curve_text
+    lines = chart(BARS, width=22)
+    # 22 columns less the note's 10 and 2: 10 for the longest bar, its last quarter the part
+    assert lines == ["bars (TTFT, ms)", "a & b: 400", "┤████████▒▒ stall 1.1×", "c: 100",
+                     "┤██ stall 9×", "0 … 400   ▒ hand-off"]
+    assert "┤" not in curve_text(BARS, 22).plain.splitlines()[1]        # a name line gets no axis
 
 
 def test_scatter_labels_stay_inside_their_panel():
@@ -251,6 +317,31 @@ def test_tiny_run_numbers_are_consistent(tiny_run):
     assert exp["prefix_cache"]["cached_prompt_tokens"] > 0
 
 
+def test_tiny_run_disaggregation(tiny_run):
+    result, _ = tiny_run
+    d = result["experiments"]["disaggregation"]
+    rows = {r["setup"]: r for r in d["rows"]}
+    assert list(rows) == ["colocated, chunked", "colocated, one step", "disaggregated, shm", "disaggregated, slow link"]
+    chunked, shm, slow = rows["colocated, chunked"], rows["disaggregated, shm"], rows["disaggregated, slow link"]
+    for r in (shm, slow):        # 2 x 2 layers x 2 KV heads x 16 x 4 bytes, every prompt token but the last
+        assert r["kv_transfer_bytes"] == 2 * 2 * 2 * 16 * 4 * (r["newcomer_prompt_tokens"] - 1)
+        assert r["bytes_equal_formula"]
+    assert (d["slow_link_gbps"], d["slow_link_ms"]) == (bench_lab.SLOW_LINK_GBPS, 10.0)
+    assert slow["kv_transfer_ms"] >= 10 + slow["kv_transfer_bytes"] / (bench_lab.SLOW_LINK_GBPS * 1e9) * 1000
+    # The verdict follows from the rows, recomputed here by hand.
+    claim = {c["id"]: c for c in result["claims"]}["disaggregation"]
+    ttft_rise = slow["newcomer_ttft_ms"] - shm["newcomer_ttft_ms"]
+    transfer_rise = slow["kv_transfer_ms"] - shm["kv_transfer_ms"]
+    assert claim["numbers"]["ttft_rise_ms"] == pytest.approx(ttft_rise)
+    ok = (shm["worst_gap_over_tpot"] <= 2 and shm["worst_gap_over_tpot"] < chunked["worst_gap_over_tpot"]
+          and transfer_rise > 0 and ttft_rise >= 0.5 * transfer_rise)
+    assert claim["verdict"] == (lc.CONFIRMED if ok else lc.NOT_CONFIRMED)
+    curve = next(c for c in result["curves"] if c["id"] == "disagg")
+    assert curve["kind"] == "bars" and curve["x"] == list(rows)
+    assert curve["y"] == [r["newcomer_ttft_ms"] for r in rows.values()]
+    assert curve["part"] == [0.0, 0.0, shm["kv_transfer_ms"], slow["kv_transfer_ms"]]
+
+
 def test_cli_json_prints_only_the_result(capsys, tmp_path):
     from pdchat.chatapp.cli.main import main
     code = main(["bench", "lab", "--quick", "--json", "--model", "random:tiny"])
@@ -282,7 +373,7 @@ def test_the_speculative_points_are_named(tiny_run):
     assert all(f"{label}: acceptance {x:.2f}, speed-up {y:.2f}" in text
                for label, x, y in zip(spec["labels"], spec["x"], spec["y"]))
     assert result["mode"] == "quick" and set(result["busy"]) == {
-        "prefill", "decode", "int8", "kv", "prefix_cache", "batching", "chunked_prefill", "spec"}
+        "prefill", "decode", "int8", "kv", "prefix_cache", "batching", "chunked_prefill", "disaggregation", "spec"}
 
 
 def test_the_progress_says_which_step(tiny_run):
