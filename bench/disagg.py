@@ -83,7 +83,8 @@ def measure(engine: Engine, words: int, setups: list[Setup], rounds: int, progre
     def one(setting: dict[str, Any]) -> dict[str, Any]:
         progress(f"{setting['setup']} · round {done[0] // len(setups) + 1}/{rounds}", done[0] / (len(setups) * rounds))
         done[0] += 1
-        return _row(engines.use(by_name[setting["setup"]]), prompt)
+        engine, first_ms = engines.use(by_name[setting["setup"]], prompt)
+        return _row(engine, prompt) | {"fresh_worker_kv_transfer_ms": first_ms}
 
     try:
         rows = toggles.interleaved_medians([{"setup": s.name} for s in setups], one, rounds)
@@ -144,19 +145,26 @@ class _Engines:
         self.main, self.base = engine, engine.config
         self.extra: dict[str, Engine] = {}
 
-    def use(self, setup: Setup) -> Engine:
+    def use(self, setup: Setup, prompt: str) -> tuple[Engine, float | None]:
+        """The engine for `setup`, warm; with the hand-off time of a freshly started worker's first
+        `prompt` (None when the worker was running already, or the row is colocated)."""
         engine = self._for(setup.kv_link)
         for other in (self.main, *self.extra.values()):
             if other is not engine and other.config.disaggregate:
                 other.update(disaggregate=False)
-        engine.update(disaggregate=setup.disaggregate, chunk_size=setup.chunk_size, kv_link_gbps=setup.link_gbps,
-                      kv_link_ms=setup.link_ms, prefix_cache=False)
+        fresh = setup.disaggregate and engine.disagg.state == "off"
+        engine.update(disaggregate=setup.disaggregate, chunk_size=setup.chunk_size, kv_link_gbps=None,
+                      kv_link_ms=0.0, prefix_cache=False)
         if setup.disaggregate and not engine.disagg.wait_ready():
             raise WorkerUnavailable(f"the prefill worker did not start ({engine.disagg.state}); its log: {log_file()}")
-        # Every row starts warm: a fresh worker's first prompt, and the step cost model's decode
-        # time on the cores this row decodes on (prompt slices are sized by it).
+        # Every row starts warm, as a long-running engine would be: a fresh worker's first prompt of
+        # the newcomer's size (its first hand-off touches every page of the link's area and of the
+        # pool: it is reported apart), and the step cost model's decode time on the cores this row
+        # decodes on (prompt slices are sized by it).
+        first = engine.submit(prompt, SamplingParams(max_tokens=1, temperature=0)).result() if fresh else None
+        engine.update(kv_link_gbps=setup.link_gbps, kv_link_ms=setup.link_ms)
         engine.submit("Hello there.", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)).result()
-        return engine
+        return engine, first.metrics.kv_transfer_ms if first else None
 
     def _for(self, link: str | None) -> Engine:
         if link is None or link == self.base.kv_link:

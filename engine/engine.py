@@ -106,7 +106,7 @@ class Engine:
         self._closed = False
         self.meter = StepMeter(self.kv_bytes_per_token)
         self._generator = torch.Generator(device=self.device).manual_seed(torch.seed() % 2**63)
-        self.loop = StepLoop(step=self.step, has_work=lambda: self.scheduler.has_work,
+        self.loop = StepLoop(step=self.step, has_work=lambda: self.scheduler.has_work or bool(self.disagg.arrived),
                              handlers={"add": self._admit, "cancel": self._cancel, "disagg": self.disagg.on_message},
                              on_step_error=lambda e: self.outputs.fail(list(self.scheduler.running), e),
                              on_stop=lambda: self.outputs.finish_all("cancelled", EngineClosed("engine shut down")))

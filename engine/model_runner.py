@@ -110,11 +110,12 @@ class ModelRunner:
                 part.copy_(cache.flatten(1, 2).index_select(1, slots))
         return out
 
-    def write_kv(self, block_table: list[int], kv: torch.Tensor) -> None:
-        """Put read_kv's tensor for tokens 0.. into the slots of block_table (a hand-off arriving)."""
+    def write_kv(self, block_table: list[int], kv: torch.Tensor, layers: slice = slice(None)) -> None:
+        """Put read_kv's tensor for tokens 0.. into the slots of block_table (a hand-off arriving),
+        all layers or those of `layers`."""
         slots = self._slots(block_table, kv.shape[2])
         for cache, part in zip((self.k_cache, self.v_cache), kv):
-            cache.flatten(1, 2).index_copy_(1, slots, part.to(self.device, cache.dtype))
+            cache[layers].flatten(1, 2).index_copy_(1, slots, part[layers].to(self.device, cache.dtype))
 
     def _slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
         """The pool slots of tokens 0..num_tokens-1 (a cache flattened to [layers, slots, ...])."""

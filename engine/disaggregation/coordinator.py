@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
@@ -28,7 +27,8 @@ from ..scheduler import Scheduler
 from ..sequence import Sequence
 from ..stream import ProgressEvent
 from .cores import pin_process, split_cores, unpin_process
-from .link import Handoff, KvReceiver, SimulatedLink
+from .arrivals import Arrivals
+from .link import KvReceiver, SimulatedLink
 from .prefill_worker import log_file
 
 # How long `pdchat run --disaggregate` or a benchmark waits for the worker to load the model.
@@ -48,7 +48,7 @@ class Disaggregation:
         self.cores: tuple[list[int], list[int]] = ([], [])
         self.at_worker: dict[str, Sequence] = {}    # sent, K/V not back yet (in order)
         self.prefilling: str | None = None          # the request the worker is computing
-        self.arrived: deque[Handoff] = deque()      # K/V here, waiting for room in the pool
+        self.arrived = Arrivals(runner, blocks, scheduler)     # K/V here, on their way into the pool
         self.transfers = 0
         self.transfer_bytes = 0
         self.last_transfer_ms: float | None = None
@@ -126,10 +126,10 @@ class Disaggregation:
     def _take_back(self) -> list[Sequence]:
         back = [s for s in self.at_worker.values() if not s.finished]
         self.at_worker.clear()
-        while self.arrived:
-            self.arrived.popleft().release()
+        self.arrived.clear()
         self.prefilling = None
         for seq in back:
+            self.blocks.free_seq(seq)     # (the blocks of a hand-off half written into the pool)
             self.scheduler.add(seq)
         return back
 
@@ -148,23 +148,12 @@ class Disaggregation:
             self._send(("cancel", request_id))
 
     def take_arrivals(self) -> None:
-        """Move hand-offs into the pool while the batch and the pool have room (each step, and as
-        each arrives); the rest wait in order."""
-        while self.arrived and len(self.scheduler.running) < self.scheduler.max_num_seqs:
-            handoff = self.arrived[0]
-            seq = self.at_worker.get(handoff.request_id)
-            if seq is None or seq.finished:          # cancelled while at the worker
-                self.arrived.popleft().release()
-                continue
-            tokens = handoff.kv.shape[2]
-            if not self.blocks.ensure_capacity(seq, tokens + 1):
-                return
-            self.arrived.popleft()
-            del self.at_worker[handoff.request_id]
-            self.runner.write_kv(seq.block_table, handoff.kv)
-            handoff.release()
+        """Move hand-offs into the pool (arrivals.py: in order, when there is room, a few layers a
+        step while streams decode); a request whose K/V are all in joins the batch."""
+        for seq, handoff in self.arrived.take(self.at_worker):
+            del self.at_worker[seq.request_id]
             now = time.perf_counter()
-            seq.num_computed_tokens = tokens
+            seq.num_computed_tokens = handoff.kv.shape[2]
             seq.t_prefilled, seq.t_kv_arrived, seq.kv_transfer_bytes = handoff.t_prefilled, now, handoff.nbytes
             self.blocks.record_lookup(seq.num_prompt_tokens, handoff.cached)
             self.transfers += 1
@@ -196,8 +185,7 @@ class Disaggregation:
             seq.sink.put(ProgressEvent("transfer", seq.num_prompt_tokens - 1, seq.num_prompt_tokens,
                                        seq.num_cached_prompt_tokens or 0, t))
         elif kind == "handoff":
-            self.arrived.append(message[1])
-            self.take_arrivals()
+            self.arrived.add(message[1])          # written at the next step's start (a step's budget once)
         elif kind == "failed" and self.at_worker.pop(message[1], None) is not None:
             self.prefilling = None
             self._fail([seq], EngineError(message[2]))

@@ -19,12 +19,16 @@ import socket
 import tempfile
 import time
 from dataclasses import dataclass
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Connection
 from pathlib import Path
 from threading import Semaphore
 from typing import Callable
 
 import torch
+
+
+TOKEN_BYTES = 16           # what the worker proves itself with on the socket link
+READY_CONNECT_S = 30       # the worker connected before it said it was ready: far longer than needed
 
 
 def kv_transfer_bytes(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, tokens: int) -> int:
@@ -75,12 +79,27 @@ def _staging_tensor(path: str, nbytes: int) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill `view` from the socket (recv_into lets go of the GIL while it waits, so the decoding
+    thread runs meanwhile; multiprocessing's Connection gathers the bytes in Python)."""
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise EOFError("the prefill worker closed the link")
+        got += n
+
+
 class KvSender:
     """The worker's end. The worker reads a prompt's K/V straight into `area()` (the shared staging
     area, or a reusable send buffer), then `send()` passes the header on the control pipe and the
-    bytes by the link."""
+    bytes by the link (shm: it waits for the engine's "copied" before the area is reused)."""
 
-    def __init__(self, spec: LinkSpec, control: Connection, data: Connection):
+    def __init__(self, spec: LinkSpec, control: Connection, data: socket.socket):
         self.control, self.data = control, data
         self.shared = spec.kind == "shm"
         self._area = _staging_tensor(spec.staging, spec.staging_bytes) if self.shared else \
@@ -89,10 +108,10 @@ class KvSender:
     @classmethod
     def connect(cls, spec: LinkSpec, control: Connection, data_fd: int | None) -> "KvSender":
         if spec.kind == "socket":
-            data = Client(spec.address)
-            data.send_bytes(spec.token)
+            data = socket.create_connection(spec.address)
+            data.sendall(spec.token)
         else:
-            data = Connection(data_fd)
+            data = socket.socket(fileno=data_fd)
         return cls(spec, control, data)
 
     def area(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -104,9 +123,9 @@ class KvSender:
         """Hand over `kv` (the tensor area() gave)."""
         self.control.send(("kv", request_id, tuple(kv.shape), kv.dtype, cached, t_prefilled))
         if self.shared:
-            self.data.recv_bytes()               # the engine copied them out: the area is free again
+            _recv_into(self.data, memoryview(bytearray(1)))    # "copied": the area is free again
         else:
-            self.data.send_bytes(kv.reshape(-1).view(torch.uint8).numpy())
+            self.data.sendall(_bytes_of(kv))
 
     def close(self) -> None:
         self.data.close()
@@ -123,21 +142,22 @@ class KvReceiver:
 
     def __init__(self, kind: str, link: SimulatedLink, staging_bytes: int):
         self.link = link
-        self._listener: Listener | None = None
-        self._data: Connection | None = None
+        self._listener: socket.socket | None = None
+        self._data: socket.socket | None = None
         self._area: torch.Tensor | None = None
         self.worker_fd: int | None = None          # shm: the worker's end of the acknowledgements
         if kind == "socket":
-            self._listener = Listener(("127.0.0.1", 0))
-            self._token = secrets.token_bytes(16)
+            self._listener = socket.create_server(("127.0.0.1", 0))
+            self._listener.settimeout(READY_CONNECT_S)
+            self._token = secrets.token_bytes(TOKEN_BYTES)
             self._free = Semaphore(1)              # the receive buffer holds one hand-off
-            self.spec = LinkSpec(kind, self._listener.address, self._token, staging_bytes=staging_bytes)
+            self.spec = LinkSpec(kind, self._listener.getsockname()[:2], self._token, staging_bytes=staging_bytes)
         else:
             folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
             self._path = Path(folder) / f"pdchat-kv-{os.getpid()}-{secrets.token_hex(4)}"
             self._area = _staging_tensor(str(self._path), staging_bytes)
-            ours, theirs = socket.socketpair()
-            self._data, self.worker_fd = Connection(ours.detach()), theirs.detach()
+            self._data, theirs = socket.socketpair()
+            self.worker_fd = theirs.detach()
             self.spec = LinkSpec(kind, staging=str(self._path), staging_bytes=staging_bytes)
         self._staging_bytes = staging_bytes
 
@@ -149,8 +169,17 @@ class KvReceiver:
             self._path.unlink(missing_ok=True)
             return
         while self._data is None:
-            conn = self._listener.accept()
-            if secrets.compare_digest(conn.recv_bytes(64), self._token):
+            conn, _ = self._listener.accept()
+            token = memoryview(bytearray(TOKEN_BYTES))
+            conn.settimeout(READY_CONNECT_S)
+            try:
+                _recv_into(conn, token)
+            except (OSError, EOFError):
+                conn.close()
+                continue
+            if secrets.compare_digest(bytes(token), self._token):
+                conn.settimeout(None)
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
                 self._data = conn
             else:
                 conn.close()
@@ -164,7 +193,7 @@ class KvReceiver:
             self._free.acquire()                     # the previous hand-off is in the pool
             if self._area is None:
                 self._area = torch.empty(self._staging_bytes, dtype=torch.uint8)
-            self._data.recv_bytes_into(memoryview(self._area.numpy()))
+            _recv_into(self._data, _bytes_of(self._area)[:nbytes])
             release = self._free.release
         kv = self._area[:nbytes].view(dtype).view(shape)
         handoff = Handoff(request_id, kv, cached, t_prefilled, release)
@@ -175,7 +204,7 @@ class KvReceiver:
 
     def _acknowledge(self) -> None:
         try:
-            self._data.send_bytes(b"free")
+            self._data.sendall(b"\x01")
         except OSError:                              # the worker is gone: nobody to tell
             pass
 

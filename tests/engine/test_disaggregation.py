@@ -200,3 +200,23 @@ def test_the_worker_follows_a_switch_of_weights():
 def test_speculation_decodes_from_handed_over_kv(reference, spec):
     with engine(disaggregate=True, spec_always=True, **spec) as e:
         assert [c.token_ids for c in e.generate(prompts(), GREEDY)] == reference
+
+
+def test_while_a_stream_decodes_a_hand_off_is_written_a_few_layers_a_step(reference, monkeypatch):
+    """With a stream decoding, the pool write of a hand-off is spread over steps (arrivals.py: here
+    a budget of one layer a step), and the tokens stay the reference's; with no stream it is
+    written at once."""
+    from pdchat.engine.disaggregation import arrivals
+    monkeypatch.setattr(arrivals, "IMPORT_SHARE", 1e-9)
+    with engine(disaggregate=True) as e:
+        writes: list[slice] = []
+        write = e.runner.write_kv
+        e.runner.write_kv = lambda table, kv, layers=slice(None): (writes.append(layers), write(table, kv, layers))
+        assert e.submit(prompts()[2], GREEDY).result().token_ids == reference[2]
+        assert writes == [slice(0, e.model_config.num_layers)]                 # no stream: at once
+        stream = e.submit([5, 6, 7], SamplingParams(max_tokens=10**6, temperature=0, ignore_eos=True))
+        next(ev for ev in stream if isinstance(ev, TokenEvent))
+        writes.clear()
+        assert e.submit(prompts()[2], GREEDY).result().token_ids == reference[2]
+        stream.cancel()
+    assert [(w.start, w.stop) for w in writes] == [(i, i + 1) for i in range(e.model_config.num_layers)]
