@@ -39,10 +39,11 @@ STEPS = ["prefill sweep", "decode vs position", "int8 weights", "KV bytes", "pre
 # shares are estimates, not measured yet: it starts a prefill worker twice.)
 SHARES = {"full": [0.2, 0.19, 0.08, 0.01, 0.08, 0.14, 0.09, 0.06, 0.15],
           "quick": [0.1, 0.07, 0.05, 0.01, 0.09, 0.19, 0.13, 0.17, 0.19]}
-# The disaggregation experiment's slow link: 10x slower than `bench disagg`'s example, so that on a
-# CPU the hand-off's time stands out of the prefill's run-to-run noise (at 1 GB/s the default
-# model's K/V take about 1% of its prefill time on one core).
-SLOW_LINK_GBPS = 0.1
+# The disaggregation experiment's slow link (160 Mbit/s): its hand-off of the chunked-prefill
+# experiment's newcomer (23 MB on the default model) takes about a second, so that the TTFT's rise
+# stands out of a one-core prefill's run-to-run spread, which a 0.1 GB/s link's +0.2 s did not
+# (one run, 2026-11-26: TTFT -20 ms for a transfer +209 ms).
+SLOW_LINK_GBPS = 0.02
 
 
 def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, Any]:

@@ -6,21 +6,24 @@ from typing import Any
 
 import psutil
 
+from pdchat.engine.telemetry import ProcessFamily
+
 BUSY_PCT = 30.0        # others' share of the whole machine (all CPUs) that makes timings noisy
 
 # Which experiments each claim's numbers come from (the KV arithmetic times nothing).
 CLAIM_SOURCES = {"prefill_linear": ("prefill",), "decode_slow_growth": ("decode",),
                  "prefill_vs_decode": ("prefill", "decode"), "int8_memory_bound": ("int8",), "kv_bytes": (),
                  "prefix_cache": ("prefix_cache",), "batching": ("batching",),
-                 "chunked_prefill": ("chunked_prefill",), "spec": ("spec",)}
+                 "chunked_prefill": ("chunked_prefill",), "disaggregation": ("disaggregation",),
+                 "spec": ("spec",)}
 
 
 class OthersLoad:
     """Other processes' mean share of the machine (%) between successive calls: the machine's CPU
-    use less this process's own, both over all the machine's CPUs."""
+    use less this process's own (its prefill worker's included), both over all the machine's CPUs."""
 
     def __init__(self, process: Any = None, cpu_percent: Any = None, cpus: int | None = None):
-        self.process = process or psutil.Process()
+        self.process = process or ProcessFamily()
         self.cpu_percent = cpu_percent or psutil.cpu_percent
         self.cpus = cpus or psutil.cpu_count() or 1
         self.since_last()                    # psutil's first reading of each only starts the clock

@@ -89,17 +89,49 @@ def _nvml_index(index: int, visible: str | None) -> int | None:
     return int(entries[index])
 
 
+class ProcessFamily:
+    """This process and the ones it started (a prefill worker, with --disaggregate) as one, with
+    psutil.Process's cpu_percent contract (% of one core since the previous call; the first call
+    starts the clock) and this process's own memory_info. A worker is pdchat's own load, not
+    another program's: the panel's "machine busy" and the lab's noise check must not count it."""
+
+    def __init__(self, process: psutil.Process | None = None):
+        self.process = process or psutil.Process()
+        self._last: tuple[float, float] | None = None
+
+    def memory_info(self) -> Any:
+        return self.process.memory_info()
+
+    def cpu_percent(self, interval: float | None = None) -> float:
+        now, seconds = time.monotonic(), self._cpu_seconds()
+        last, self._last = self._last, (now, seconds)
+        if last is None or now <= last[0]:
+            return 0.0
+        return max(0.0, seconds - last[1]) / (now - last[0]) * 100
+
+    def _cpu_seconds(self) -> float:
+        t = self.process.cpu_times()
+        total = t.user + t.system + t.children_user + t.children_system     # (children that ended)
+        for child in self.process.children(recursive=True):
+            try:
+                c = child.cpu_times()
+                total += c.user + c.system
+            except psutil.Error:            # ended meanwhile: counted once it is waited for
+                pass
+        return total
+
+
 class DeviceMonitor:
     """Samples `device` every `interval_s` seconds (`idle_interval_s` while this process idles) on a
     daemon thread; snapshot() is lock-free."""
 
     def __init__(self, device: torch.device, interval_s: float = 0.25, nvml: ModuleType | Any | None = None,
-                 process: psutil.Process | None = None, idle_interval_s: float = 1.0):
+                 process: Any = None, idle_interval_s: float = 1.0):
         self.device = torch.device(device)
         self.interval_s = interval_s
         self.idle_interval_s = idle_interval_s
         self._nvml = nvml
-        self._process = process or psutil.Process()
+        self._process = process or ProcessFamily()
         self._handle: Any = None
         self._nvml_ready: bool | None = None      # None: not tried yet; init happens on first sample
         self._cpu_primed = False

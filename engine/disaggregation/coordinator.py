@@ -26,7 +26,7 @@ from ..model_runner import ModelRunner
 from ..scheduler import Scheduler
 from ..sequence import Sequence
 from ..stream import ProgressEvent
-from .cores import pin_process, split_cores, unpin_process
+from .cores import DecodeCores, split_cores
 from .arrivals import Arrivals
 from .link import KvReceiver, SimulatedLink
 from .prefill_worker import log_file
@@ -56,7 +56,7 @@ class Disaggregation:
         self._process: Any = None
         self._control: Any = None
         self._receiver: KvReceiver | None = None
-        self._pinned: Any = None                    # the cores and threads before pinning
+        self.decode_side = DecodeCores()            # this process's cores and threads while disaggregated
         self._threads: int | None = None
         self._settings: tuple[str, bool] | None = None
         self.ready = threading.Event()
@@ -118,9 +118,7 @@ class Disaggregation:
             if end is not None:
                 end.close()
         self._process = self._control = self._receiver = None
-        if self._pinned is not None:
-            unpin_process(self._pinned)
-            self._pinned = None
+        self.decode_side.unpin()
         return self._take_back()
 
     def _take_back(self) -> list[Sequence]:
@@ -148,8 +146,10 @@ class Disaggregation:
             self._send(("cancel", request_id))
 
     def take_arrivals(self) -> None:
-        """Move hand-offs into the pool (arrivals.py: in order, when there is room, a few layers a
-        step while streams decode); a request whose K/V are all in joins the batch."""
+        """At a step's start, on the step thread: its thread count for the cores it has, then the
+        hand-offs into the pool (arrivals.py: in order, when there is room, a few layers a step
+        while streams decode); a request whose K/V are all in joins the batch."""
+        self.decode_side.apply()
         for seq, handoff in self.arrived.take(self.at_worker):
             del self.at_worker[seq.request_id]
             now = time.perf_counter()
@@ -199,7 +199,7 @@ class Disaggregation:
         self.state = "ready"
         self.notices.extend(f"prefill worker: {n}" for n in worker_notices)
         prefill, decode = self.cores
-        self._pinned = pin_process(decode, self._threads)
+        self.decode_side.pin(decode, self._threads)
         self.notices.append(f"disaggregated: prompts are prefilled on {_cores(prefill)}, streams decode on "
                             f"{_cores(decode)}; K/V cross by {self.kind}")
         self.ready.set()
@@ -211,9 +211,7 @@ class Disaggregation:
         self.notices.append(f"the prefill worker stopped ({why}; its log: {log_file()}); "
                             f"prompts are prefilled in this process again")
         self._process = None
-        if self._pinned is not None:
-            unpin_process(self._pinned)
-            self._pinned = None
+        self.decode_side.unpin()
         self._take_back()
         self.ready.set()
 

@@ -3,6 +3,8 @@
 Pinning is what keeps the two apart: without it the OS moves both sides' threads across all the
 cores, and a prefill still slows the streams down. Where the OS cannot pin (macOS), each side
 still runs as many threads as its share, and the split is a request rather than a guarantee.
+Torch's thread count is a setting of each thread under OpenMP (torch.set_num_threads on one thread
+leaves another's as it was), so each side sets it on the thread that runs its forwards.
 """
 from __future__ import annotations
 
@@ -29,21 +31,23 @@ def split_cores(prefill: int | None, cores: list[int] | None = None) -> tuple[li
     return cores[:n], cores[n:]
 
 
-def pin_process(cores: list[int], threads: int | None = None) -> tuple[set[int] | None, int]:
-    """Run every thread of this process on `cores` (threads started later inherit it) and use that
-    many threads for torch and the C kernels (or `threads`, if fewer). Returns what was in force,
-    for unpin_process."""
-    before = (set(os.sched_getaffinity(0)) if CAN_PIN else None, torch.get_num_threads())
+def pin_process(cores: list[int]) -> set[int] | None:
+    """Run every thread of this process on `cores` (threads started later inherit it); returns
+    the cores it ran on before, for unpin_process. (Torch's thread count is per thread under
+    OpenMP: the thread that runs the forward sets its own, see threads_for.)"""
+    before = set(os.sched_getaffinity(0)) if CAN_PIN else None
     _set_affinity(set(cores))
-    torch.set_num_threads(min(len(cores), threads or len(cores)))
     return before
 
 
-def unpin_process(before: tuple[set[int] | None, int]) -> None:
-    affinity, threads = before
-    if affinity is not None:
-        _set_affinity(affinity)
-    torch.set_num_threads(threads)
+def unpin_process(before: set[int] | None) -> None:
+    if before is not None:
+        _set_affinity(before)
+
+
+def threads_for(cores: list[int], threads: int | None) -> int:
+    """Torch threads for a side pinned to `cores`: one per core, or `threads` if fewer."""
+    return min(len(cores), threads or len(cores))
 
 
 def _set_affinity(cores: set[int]) -> None:
@@ -54,3 +58,34 @@ def _set_affinity(cores: set[int]) -> None:
             os.sched_setaffinity(int(tid), cores)
         except (ProcessLookupError, PermissionError):   # a thread that just ended
             pass
+
+
+class DecodeCores:
+    """The engine's side while disaggregated: every thread of the process pinned to the decode
+    cores, and the step thread's torch thread count set to match there (apply(), at each step's
+    start on that thread) and put back once unpinned. Pinning and unpinning happen on whichever
+    thread turns disaggregation on or off; only apply() touches the step thread's count."""
+
+    def __init__(self) -> None:
+        self._affinity: set[int] | None = None        # the cores before pinning
+        self._want: int | None = None                 # the count apply() sets next
+        self._before: int | None = None               # the step thread's count before pinning
+
+    def pin(self, cores: list[int], threads: int | None) -> None:
+        self._affinity = pin_process(cores)
+        self._want = threads_for(cores, threads)
+
+    def unpin(self) -> None:
+        unpin_process(self._affinity)
+        self._affinity = None
+        self._want = self._before                     # (None: apply() never ran, nothing to undo)
+
+    def apply(self) -> None:
+        if self._want is None:
+            return
+        if self._affinity is not None and self._before is None:
+            self._before = torch.get_num_threads()
+        if torch.get_num_threads() != self._want:
+            torch.set_num_threads(self._want)
+        if self._affinity is None:                    # restored: done until the next pin
+            self._want = self._before = None

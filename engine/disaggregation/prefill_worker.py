@@ -31,7 +31,7 @@ from ..paths import cache_dir
 from ..precision import WeightPrecision, unsupported
 from ..resources import kernel_backend, kv_pool_blocks
 from ..sequence import Sequence
-from .cores import pin_process
+from .cores import pin_process, threads_for
 from .link import KvSender
 
 
@@ -46,7 +46,8 @@ def main(argv: list[str]) -> None:
     serve until told to stop or the engine goes away."""
     control = Connection(int(argv[0]))
     config, cores, link = control.recv()
-    pin_process(cores, config.threads)
+    pin_process(cores)
+    torch.set_num_threads(threads_for(cores, config.threads))      # (this thread runs the forwards)
     try:
         worker = PrefillWorker(config, KvSender.connect(link, control, int(argv[1]) if len(argv) > 1 else None),
                                control)

@@ -124,22 +124,31 @@ def test_a_worker_that_never_starts_leaves_the_engine_colocated(reference, monke
 
 
 def test_turned_on_and_off_while_a_stream_runs(reference):
+    """The step thread runs with one torch thread per decode core while disaggregated, and with
+    as many as before once it is off (torch's count is per thread: setting it on the thread that
+    calls update() left the step thread on one core's count, and colocated decoding ran at half
+    speed after a disaggregated phase); the process's cores come back too."""
     before = os.sched_getaffinity(0) if CAN_PIN else None
-    threads = torch.get_num_threads()
     with engine() as e:
+        seen: list[int] = []
+        step = e.loop._step
+        e.loop._step = lambda: (seen.append(torch.get_num_threads()), step())[1]
         stream = e.submit([5, 6, 7], SamplingParams(max_tokens=10**6, temperature=0, ignore_eos=True))
         next(ev for ev in stream if isinstance(ev, TokenEvent))
+        colocated = seen[-1]
         e.update(disaggregate=True)
         assert e.disagg.wait_ready(120)
         c = e.submit(prompts()[2], GREEDY).result()
         assert c.token_ids == reference[2] and c.metrics.kv_transfer_bytes
+        decode_cores = len(e.disagg.cores[1])
+        assert seen[-1] == min(colocated, decode_cores)
         e.update(disaggregate=False)
         assert e.stats().prefill_worker == "off" and e.stats().prefill_cores is None
         if CAN_PIN:
             assert os.sched_getaffinity(0) == before
-        assert torch.get_num_threads() == threads
         c = e.submit(prompts()[1], GREEDY).result()
         assert c.token_ids == reference[1] and c.metrics.kv_transfer_bytes is None
+        assert seen[-1] == colocated
         stream.cancel()
 
 

@@ -100,3 +100,23 @@ def test_engine_stats_and_the_local_backend_carry_the_process_cpu() -> None:
         assert (stats["cpu_util_pct"], stats["process_cpu_pct"], stats["rss_bytes"]) == (88.0, 12.5, 7)
     finally:
         engine.close()
+
+
+def test_the_process_family_counts_a_child_process_as_its_own():
+    """A prefill worker (a child process) busy on a core is pdchat's load: the family's share of a
+    core covers it, where psutil's own process alone would show next to nothing."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from pdchat.engine.telemetry import ProcessFamily
+    family, alone = ProcessFamily(), psutil.Process()
+    family.cpu_percent(), alone.cpu_percent(interval=None)
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.0: pass"])
+    try:
+        time.sleep(0.8)
+        assert family.cpu_percent() > 50 > alone.cpu_percent(interval=None)
+    finally:
+        child.wait()
