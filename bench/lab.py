@@ -34,11 +34,11 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 STEPS = ["prefill sweep", "decode vs position", "int8 weights", "KV bytes", "prefix cache", "batching",
          "chunked prefill", "disaggregation", "speculative decoding"]
-# Share of the run each step takes at each size (smollm2-135m on a 2-core CPU), so that the fraction
-# done, and the time left a reader draws from it, move at an even pace. (The disaggregation step's
-# shares are estimates, not measured yet: it starts a prefill worker twice.)
-SHARES = {"full": [0.2, 0.19, 0.08, 0.01, 0.08, 0.14, 0.09, 0.06, 0.15],
-          "quick": [0.1, 0.07, 0.05, 0.01, 0.09, 0.19, 0.13, 0.17, 0.19]}
+# Share of the run each step takes at each size (smollm2-135m on a 2-core CPU, measured 2026-11-26:
+# full 125 s, quick 36 s), so that the fraction done, and the time left a reader draws from it,
+# move at an even pace.
+SHARES = {"full": [0.33, 0.13, 0.05, 0.01, 0.06, 0.13, 0.08, 0.12, 0.09],
+          "quick": [0.06, 0.07, 0.05, 0.03, 0.07, 0.16, 0.09, 0.30, 0.17]}
 # The disaggregation experiment's slow link (160 Mbit/s): its hand-off of the chunked-prefill
 # experiment's newcomer (23 MB on the default model) takes about a second, so that the TTFT's rise
 # stands out of a one-core prefill's run-to-run spread, which a 0.1 GB/s link's +0.2 s did not
