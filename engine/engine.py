@@ -5,7 +5,8 @@ One step, on the loop thread (step_loop.py): schedule (scheduler.py) -> propose 
 (speculative.py) -> run the model once over every scheduled token (model_runner.py) -> sample
 (sampler.py) -> post-process: append, verify, finish, emit events (output_processor.py).
 Set-up choices (kernels, pool and chunk sizes) are in resources.py; the weights' precision at
-run time in precision.py.
+run time in precision.py. With --disaggregate a new prompt goes to a prefill worker process
+instead of the scheduler, and its K/V come back into the pool at a step's start (disaggregation/).
 """
 from __future__ import annotations
 
@@ -51,9 +52,9 @@ def _stderr(msg: str) -> None:
 
 
 class Engine:
-    """The façade (see the module's docstring). It runs a little past 200 lines because it is both
-    where the parts are wired (the constructor) and the public API's home; each part's logic is in
-    its own module."""
+    """The façade (see the module's docstring). It runs past 200 lines (about 230) because it is
+    where the parts are wired (the constructor, the step thread's handlers), the public API's home
+    and the step's outline; each part's logic is in its own module."""
 
     def __init__(self, config: EngineConfig | None = None, *, say: Callable[[str], None] = _stderr,
                  **overrides: Any):
@@ -106,6 +107,10 @@ class Engine:
         self._closed = False
         self.meter = StepMeter(self.kv_bytes_per_token)
         self._generator = torch.Generator(device=self.device).manual_seed(torch.seed() % 2**63)
+        self._start(cfg)
+
+    def _start(self, cfg: EngineConfig) -> None:
+        """The step thread, then a prefill worker if asked for (its messages go to that thread)."""
         self.loop = StepLoop(step=self.step, has_work=lambda: self.scheduler.has_work or bool(self.disagg.arrived),
                              handlers={"add": self._admit, "cancel": self._cancel, "disagg": self.disagg.on_message},
                              on_step_error=lambda e: self.outputs.fail(list(self.scheduler.running), e),

@@ -10,13 +10,8 @@ request is lost.
 """
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
-from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from ..block_manager import BlockManager
@@ -30,6 +25,7 @@ from .cores import DecodeCores, split_cores
 from .arrivals import Arrivals
 from .link import KvReceiver, SimulatedLink
 from .prefill_worker import log_file
+from .worker_process import WorkerProcess
 
 # How long `pdchat run --disaggregate` or a benchmark waits for the worker to load the model.
 READY_TIMEOUT_S = 600
@@ -53,9 +49,7 @@ class Disaggregation:
         self.transfer_bytes = 0
         self.last_transfer_ms: float | None = None
         self.last_transfer_bytes: int | None = None
-        self._process: Any = None
-        self._control: Any = None
-        self._receiver: KvReceiver | None = None
+        self.worker: WorkerProcess | None = None
         self.decode_side = DecodeCores()            # this process's cores and threads while disaggregated
         self._threads: int | None = None
         self._settings: tuple[str, bool] | None = None
@@ -70,37 +64,20 @@ class Disaggregation:
             self.start(cfg)
         elif not cfg.disaggregate and self.state != "off":
             self.stop()
-        if self._control is not None and self._settings != (cfg.quant, cfg.prefix_cache):
+        if self.worker is not None and self._settings != (cfg.quant, cfg.prefix_cache):
             self._settings = (cfg.quant, cfg.prefix_cache)
             self._send(("settings", cfg.quant, cfg.prefix_cache))
 
     def start(self, cfg: EngineConfig) -> None:
         """Start the worker (it loads the model in the background; prompts are prefilled here
-        until it says it is ready). A separate interpreter (`python -m`), not multiprocessing's
-        spawn, which would run the caller's main script again in the child."""
+        until it says it is ready)."""
         self.kind, self._threads = cfg.kv_link, cfg.threads
         self.cores = split_cores(cfg.prefill_cores)
         staging = min(self.runner.max_model_len, self.blocks.num_blocks * self.blocks.block_size) * self.kv_bytes_per_token
-        self._receiver = receiver = KvReceiver(cfg.kv_link, self.link, staging)
         self._settings = (cfg.quant, cfg.prefix_cache)
-        ours, theirs = socket.socketpair()
-        fds = [theirs.fileno()] + ([receiver.worker_fd] if receiver.worker_fd is not None else [])
-        # The child finds pdchat where this process found it (an installed package or a checkout).
-        env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        with open(log_file(), "w") as log:
-            self._process = subprocess.Popen(
-                [sys.executable, "-m", "pdchat.engine.disaggregation.prefill_worker", *map(str, fds)],
-                pass_fds=fds, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
-                start_new_session=True)           # the terminal's Ctrl-C is the engine's to handle
-        for fd in fds[1:]:
-            os.close(fd)
-        theirs.close()
-        self._control = Connection(ours.detach())
         self.state = "starting"
         self.ready.clear()
-        self._send((cfg, self.cores[0], receiver.spec))      # (a worker gone already is "lost")
-        threading.Thread(target=self._receive, args=(self._control, receiver), daemon=True,
-                         name="pdchat-kv-receiver").start()
+        self.worker = WorkerProcess(cfg, self.cores[0], KvReceiver(cfg.kv_link, self.link, staging), self._post)
 
     def stop(self) -> list[Sequence]:
         """Stop the worker; the prompts it held are prefilled here (the scheduler takes them)."""
@@ -108,16 +85,9 @@ class Disaggregation:
             return []
         self.state = "off"
         self.ready.set()                      # nobody waits for a worker that is gone
-        self._send(("stop",))
-        if self._process is not None:
-            try:
-                self._process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-        for end in (self._control, self._receiver):
-            if end is not None:
-                end.close()
-        self._process = self._control = self._receiver = None
+        if self.worker is not None:
+            self.worker.stop()
+            self.worker = None
         self.decode_side.unpin()
         return self._take_back()
 
@@ -195,7 +165,11 @@ class Disaggregation:
     def _ready(self, worker_notices: list[str]) -> None:
         if self.state != "starting":
             return
-        self._receiver.connect()
+        try:
+            self.worker.receiver.connect()
+        except OSError as e:                      # (a socket link the worker never connected)
+            self._lost(f"its K/V link did not connect: {e}")
+            return
         self.state = "ready"
         self.notices.extend(f"prefill worker: {n}" for n in worker_notices)
         prefill, decode = self.cores
@@ -210,31 +184,16 @@ class Disaggregation:
         self.state = f"failed: {why}"
         self.notices.append(f"the prefill worker stopped ({why}; its log: {log_file()}); "
                             f"prompts are prefilled in this process again")
-        self._process = None
+        if self.worker is not None:
+            self.worker.stop()
+            self.worker = None
         self.decode_side.unpin()
         self._take_back()
         self.ready.set()
 
-    # ---- the receiving thread --------------------------------------------------------------
-    def _receive(self, control: Any, receiver: KvReceiver) -> None:
-        """Read the worker's messages until its pipe closes; K/V arrive through the receiver (and
-        its simulated link), everything else is posted as it is."""
-        try:
-            while True:
-                message = control.recv()
-                if message[0] == "kv":
-                    self._post("disagg", ("transfer", message[1], message[5]))
-                    message = ("handoff", receiver.receive(message))
-                self._post("disagg", message)
-        except (EOFError, OSError) as e:
-            self._post("disagg", ("lost", f"its connection closed: {type(e).__name__}"))
-
     def _send(self, message: tuple) -> None:
-        try:
-            if self._control is not None:
-                self._control.send(message)
-        except (BrokenPipeError, OSError) as e:
-            self._post("disagg", ("lost", f"it cannot be reached: {e}"))
+        if self.worker is not None:
+            self.worker.send(message)
 
     # ---- what the panel shows ---------------------------------------------------------------
     def worker_state(self) -> str:

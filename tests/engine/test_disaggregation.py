@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pdchat.engine import Engine, SamplingParams, TokenEvent
-from pdchat.engine.disaggregation import coordinator
+from pdchat.engine.disaggregation import worker_process
 from pdchat.engine.disaggregation.cores import CAN_PIN, split_cores
 from pdchat.engine.disaggregation.link import SimulatedLink, kv_transfer_bytes
 
@@ -107,7 +107,7 @@ def test_a_worker_that_dies_hands_its_prompts_back(reference):
     with engine(disaggregate=True, kv_link_ms=400.0) as e:
         streams = [e.submit(p, GREEDY) for p in prompts()]
         time.sleep(0.1)
-        e.disagg._process.kill()
+        e.disagg.worker.process.kill()
         assert [s.result().token_ids for s in streams] == reference
         notices = e.take_notices()
         assert any("prefill worker stopped" in n for n in notices)
@@ -116,7 +116,7 @@ def test_a_worker_that_dies_hands_its_prompts_back(reference):
 
 
 def test_a_worker_that_never_starts_leaves_the_engine_colocated(reference, monkeypatch):
-    monkeypatch.setattr(coordinator.sys, "executable", "/bin/false")
+    monkeypatch.setattr(worker_process.sys, "executable", "/bin/false")
     with engine(disaggregate=True) as e:
         assert e.stats().prefill_worker.startswith("failed")
         assert any("prefill worker stopped" in n for n in e.take_notices())
