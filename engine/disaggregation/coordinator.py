@@ -131,6 +131,10 @@ class Disaggregation:
             self.last_transfer_ms = (now - handoff.t_prefilled) * 1000
             self.last_transfer_bytes = handoff.nbytes
             self.scheduler.add_running(seq)
+            # The hand-off is over: what is left of the pause is this engine computing the last
+            # prompt token (its next step), as the end of any prefill.
+            cached = seq.num_cached_prompt_tokens or 0
+            seq.sink.put(ProgressEvent("prefill", seq.num_computed_tokens, seq.num_prompt_tokens, cached, now))
 
     # ---- what the worker says (posted by the receiver, handled on the loop thread) ------------
     def on_message(self, message: tuple) -> None:

@@ -68,6 +68,17 @@ def test_after_the_first_token_the_transfer_is_fixed_and_the_pause_is_the_rest_o
     assert snap.transfer_ms == pytest.approx(10.0) and snap.pause_ms == pytest.approx(51.0)
 
 
+def test_the_hand_off_ends_when_the_engine_computes_the_last_prompt_token():
+    """The engine's events: the worker's prefill, the transfer, then "prefill" again once the K/V
+    are in the pool (the last prompt token is computed here): the transfer is that span alone,
+    as the finished reply's kv_transfer_ms, not the span up to the first token."""
+    last = Phase("prefill", 99, 100, 0, 10.064)
+    snap = fed(10.07, QUEUED, PREFILL, TRANSFER, last).snapshot()
+    assert snap.phase == "prefill" and snap.transfer_ms == pytest.approx(14.0)
+    snap = fed(10.2, QUEUED, PREFILL, TRANSFER, last, Token("a", 10.110, 0)).snapshot()
+    assert snap.transfer_ms == pytest.approx(14.0) and snap.pause_ms == pytest.approx(110.0 - 14.0)
+
+
 def test_a_reply_prefilled_here_has_no_transfer_times():
     snap = fed(10.2, QUEUED, PREFILL, Token("a", 10.1, 0), Done("a", "stop")).snapshot()
     assert snap.transfer_ms is None and snap.pause_ms is None
@@ -213,15 +224,18 @@ def test_local_backend_turns_disaggregation_on_at_run_time_and_streams_the_trans
         events = list(backend.stream([{"role": "user", "content": "hello " * 40}],
                                      Settings(max_tokens=4, temperature=0)))
         phases = [e for e in events if isinstance(e, Phase)]
-        assert [p.phase for p in phases].count("transfer") == 1
-        transfer = next(p for p in phases if p.phase == "transfer")
-        last_prefill = [p for p in phases if p.phase == "prefill"][-1]
+        kinds = [p.phase for p in phases]
+        assert kinds.count("transfer") == 1
+        i = kinds.index("transfer")
+        # the worker's prefill, the hand-off, then the last prompt token here (a "prefill" again),
+        # then the first token; the events' clock is the metrics' (the live timeline measures it)
+        assert "prefill" in kinds[:i] and kinds[i + 1] == "prefill"
+        transfer, after = phases[i], phases[i + 1]
         first_token = next(e for e in events if isinstance(e, Token))
-        # the hand-off starts once the worker's forward ended, before the first token (the clock the
-        # other events use: the live timeline measures it)
-        assert last_prefill.t <= transfer.t <= first_token.t
+        assert phases[i - 1].t <= transfer.t <= after.t <= first_token.t
         done = events[-1]
         assert done.metrics["kv_transfer_ms"] >= 5.0 and done.metrics["kv_transfer_bytes"] > 0
+        assert (after.t - transfer.t) * 1000 == pytest.approx(done.metrics["kv_transfer_ms"], abs=0.01)
         s = backend.stats()
         assert (s["kv_link_ms"], s["kv_link_gbps"], s["kv_transfers"]) == (5.0, None, 1)
         assert s["kv_transferred_bytes"] == s["last_kv_transfer_bytes"] == done.metrics["kv_transfer_bytes"]

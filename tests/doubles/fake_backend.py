@@ -144,6 +144,7 @@ class FakeGeneration(Generation):
         yield Phase("transfer", total - 1, total, cached, clock.t)
         self._hold("transfer")
         clock.advance(b.transfer_ms / 1000)
+        yield Phase("prefill", total - 1, total, cached, clock.t)     # the last prompt token, here
         self.transfer = ((total - 1) * KV_BYTES_PER_TOKEN, b.transfer_ms)
         b.kv_transfers += 1
         b.kv_transferred_bytes += self.transfer[0]
