@@ -83,10 +83,11 @@ class Disaggregation:
         """Stop the worker; the prompts it held are prefilled here (the scheduler takes them)."""
         if self.state == "off":
             return []
-        self.state = "off"
+        # A worker still loading reads no message before it is done: nothing to wait for.
+        loading, self.state = self.state == "starting", "off"
         self.ready.set()                      # nobody waits for a worker that is gone
         if self.worker is not None:
-            self.worker.stop()
+            self.worker.stop(wait_s=0.0 if loading else 10.0)
             self.worker = None
         self.decode_side.unpin()
         return self._take_back()

@@ -46,13 +46,14 @@ class WorkerProcess:
         except (BrokenPipeError, OSError) as e:
             self._post("disagg", ("lost", f"it cannot be reached: {e}"))
 
-    def stop(self) -> None:
-        """Ask the worker to stop (kill it after 10 s) and close both ends."""
+    def stop(self, wait_s: float = 10.0) -> None:
+        """Ask the worker to stop (kill it after `wait_s`) and close both ends."""
         self.send(("stop",))
         try:
-            self.process.wait(timeout=10)
+            self.process.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
             self.process.kill()
+            self.process.wait()
         self.control.close()
         self.receiver.close()
 

@@ -229,3 +229,12 @@ def test_while_a_stream_decodes_a_hand_off_is_written_a_few_layers_a_step(refere
         assert e.submit(prompts()[2], GREEDY).result().token_ids == reference[2]
         stream.cancel()
     assert [(w.start, w.stop) for w in writes] == [(i, i + 1) for i in range(e.model_config.num_layers)]
+
+
+def test_closing_while_the_worker_loads_does_not_wait_for_it():
+    with engine() as e:
+        e.update(disaggregate=True)                   # returns at once; the worker loads
+        assert e.stats().prefill_worker == "starting"
+        process = e.disagg.worker.process
+        t = time.perf_counter()
+    assert time.perf_counter() - t < 1.0 and process.poll() is not None    # (it would load for ~2 s)
