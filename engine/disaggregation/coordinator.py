@@ -1,7 +1,7 @@
 """The engine's side of disaggregated serving: it starts and stops the prefill worker, routes new
 prompts to it, takes the K/V it hands back into the engine's own pool, and says how both sides are
-doing (EngineStats). Everything here but the receiving thread runs on the engine's loop thread:
-the receiver only posts what arrives (StepLoop.post("disagg", message)).
+doing (EngineStats). Everything here runs on the engine's loop thread, or under its lock (update):
+the worker's own thread only posts what arrives (worker_process.py).
 
 A request at the worker is not in the scheduler; once its K/V are in the pool it joins the running
 batch with every prompt token but the last computed, so its next decode step samples its first
@@ -138,7 +138,12 @@ class Disaggregation:
             seq.sink.put(ProgressEvent("prefill", seq.num_computed_tokens, seq.num_prompt_tokens, cached, now))
 
     # ---- what the worker says (posted by the receiver, handled on the loop thread) ------------
-    def on_message(self, message: tuple) -> None:
+    def on_message(self, said: tuple[WorkerProcess, tuple]) -> None:
+        source, message = said
+        if source is not self.worker:         # a worker stopped since (its last words, "lost")
+            if message[0] == "handoff":
+                message[1].release()
+            return
         kind = message[0]
         seq = self.at_worker.get(message[1]) if len(message) > 1 and isinstance(message[1], str) else None
         if kind == "ready":

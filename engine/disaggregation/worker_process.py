@@ -2,8 +2,10 @@
 -m`, not multiprocessing's spawn, which would run the caller's main script again in the child),
 talked to over its control pipe, its messages read on a thread of their own, and stopped.
 
-What the thread reads it posts to the engine's step loop as it is (`post("disagg", message)`),
-K/V hand-offs once the receiver has them ("handoff"), and ("lost", why) when the pipe closes.
+What the thread reads it posts to the engine's step loop as it is, K/V hand-offs once the receiver
+has them ("handoff"), and ("lost", why) when the pipe closes, each as `post("disagg", (this
+worker, message))`: a worker stopped a moment ago still says "lost", and the engine must not take
+that for its new worker's.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ class WorkerProcess:
         try:
             self.control.send(message)
         except (BrokenPipeError, OSError) as e:
-            self._post("disagg", ("lost", f"it cannot be reached: {e}"))
+            self._say(("lost", f"it cannot be reached: {e}"))
 
     def stop(self, wait_s: float = 10.0) -> None:
         """Ask the worker to stop (kill it after `wait_s`) and close both ends."""
@@ -64,8 +66,11 @@ class WorkerProcess:
             while True:
                 message = self.control.recv()
                 if message[0] == "kv":
-                    self._post("disagg", ("transfer", message[1], message[5]))
+                    self._say(("transfer", message[1], message[5]))
                     message = ("handoff", self.receiver.receive(message))
-                self._post("disagg", message)
+                self._say(message)
         except (EOFError, OSError) as e:
-            self._post("disagg", ("lost", f"its connection closed: {type(e).__name__}"))
+            self._say(("lost", f"its connection closed: {type(e).__name__}"))
+
+    def _say(self, message: tuple) -> None:
+        self._post("disagg", (self, message))

@@ -238,3 +238,15 @@ def test_closing_while_the_worker_loads_does_not_wait_for_it():
         process = e.disagg.worker.process
         t = time.perf_counter()
     assert time.perf_counter() - t < 1.0 and process.poll() is not None    # (it would load for ~2 s)
+
+
+def test_turned_off_and_on_at_once_the_new_worker_is_not_taken_for_the_old():
+    """The stopped worker's pipe closing is posted as "lost"; handled after the new worker
+    started, it must not fail the new one."""
+    with engine(disaggregate=True) as e:
+        with e.loop.lock:                         # the step thread drains only after both
+            e.update(disaggregate=False)
+            time.sleep(0.2)                       # the old worker's "lost" is in the inbox by now
+            e.update(disaggregate=True)
+        assert e.disagg.wait_ready(120) and e.stats().prefill_worker == "idle"
+        assert e.submit(prompts()[1], GREEDY).result().metrics.kv_transfer_bytes
