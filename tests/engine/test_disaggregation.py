@@ -250,3 +250,58 @@ def test_turned_off_and_on_at_once_the_new_worker_is_not_taken_for_the_old():
             e.update(disaggregate=True)
         assert e.disagg.wait_ready(120) and e.stats().prefill_worker == "idle"
         assert e.submit(prompts()[1], GREEDY).result().metrics.kv_transfer_bytes
+
+
+class _Control:
+    def __init__(self) -> None:
+        self.sent: list[tuple] = []
+
+    def send(self, message: tuple) -> None:
+        self.sent.append(message)
+
+
+class _Sender:
+    """The link's worker end, in memory: what area() gives and send() hands over."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, torch.Tensor]] = []
+
+    def area(self, shape, dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+    def send(self, request_id, kv, cached, t_prefilled) -> None:
+        self.sent.append((request_id, kv.clone()))
+
+
+def test_a_prompt_that_fails_in_the_worker_fails_alone(monkeypatch):
+    """In the worker (run here, in-process): a forward that raises sends ("failed", id, why) for
+    that prompt, frees its blocks, and the next prompt is prefilled and handed over."""
+    from pdchat.engine.config import EngineConfig
+    from pdchat.engine.disaggregation.prefill_worker import PrefillWorker
+    control, sender = _Control(), _Sender()
+    worker = PrefillWorker(EngineConfig(model="random:tiny", telemetry=False, kv_cache_mb=16), sender, control)
+    forward = worker.runner.forward
+
+    def broken_once(*args, **kw):
+        worker.runner.forward = forward
+        raise RuntimeError("boom")
+    worker.runner.forward = broken_once
+    worker._prefill("a", prompts()[1], None)
+    worker._prefill("b", prompts()[1], None)
+    failed = [m for m in control.sent if m[0] == "failed"]
+    assert failed == [("failed", "a", "prefill worker: RuntimeError: boom")]
+    assert [rid for rid, _ in sender.sent] == ["b"] and sender.sent[0][1].shape[2] == len(prompts()[1]) - 1
+    assert worker.blocks.num_used == 0
+
+
+def test_a_failure_the_worker_reports_ends_that_request_alone(reference):
+    with engine(disaggregate=True, kv_link_ms=400.0) as e:
+        doomed, other = e.submit(prompts()[2], GREEDY), e.submit(prompts()[1], GREEDY)
+        time.sleep(0.1)
+        with e.loop.lock:
+            rid = next(iter(e.disagg.at_worker))        # the first routed: `doomed`
+        e.loop.post("disagg", (e.disagg.worker, ("failed", rid, "prefill worker: RuntimeError: boom")))
+        result = doomed.result()
+        assert (result.finish_reason, result.error) == ("error", "prefill worker: RuntimeError: boom")
+        assert other.result().token_ids == reference[1]
+        assert e.submit(prompts()[0], GREEDY).result().token_ids == reference[0]
