@@ -43,7 +43,6 @@ class Disaggregation:
         self.kind = "shm"
         self.cores: tuple[list[int], list[int]] = ([], [])
         self.at_worker: dict[str, Sequence] = {}    # sent, K/V not back yet (in order)
-        self.prefilling: str | None = None          # the request the worker is computing
         self.arrived = Arrivals(runner, blocks, scheduler)     # K/V here, on their way into the pool
         self.transfers = 0
         self.transfer_bytes = 0
@@ -96,7 +95,6 @@ class Disaggregation:
         back = [s for s in self.at_worker.values() if not s.finished]
         self.at_worker.clear()
         self.arrived.clear()
-        self.prefilling = None
         for seq in back:
             self.blocks.free_seq(seq)     # (the blocks of a hand-off half written into the pool)
             self.scheduler.add(seq)
@@ -150,7 +148,6 @@ class Disaggregation:
             self._ready(message[1])
         elif kind == "started" and seq is not None:
             _, rid, cached, t = message
-            self.prefilling = rid
             seq.t_first_scheduled = seq.t_first_scheduled or t
             seq.num_cached_prompt_tokens = cached
             seq.sink.put(ProgressEvent("prefill", cached, seq.num_prompt_tokens, cached, t))
@@ -161,13 +158,11 @@ class Disaggregation:
                                        layers=layers, step_tokens=seq.num_prompt_tokens - 1 - cached))
         elif kind == "transfer" and seq is not None:
             _, rid, t = message
-            self.prefilling = None if self.prefilling == rid else self.prefilling
             seq.sink.put(ProgressEvent("transfer", seq.num_prompt_tokens - 1, seq.num_prompt_tokens,
                                        seq.num_cached_prompt_tokens or 0, t))
         elif kind == "handoff":
             self.arrived.add(message[1])          # written at the next step's start (a step's budget once)
         elif kind == "failed" and self.at_worker.pop(message[1], None) is not None:
-            self.prefilling = None
             self._fail([seq], EngineError(message[2]))
         elif kind in ("fatal", "lost"):
             self._lost(message[1])
@@ -207,8 +202,10 @@ class Disaggregation:
 
     # ---- what the panel shows ---------------------------------------------------------------
     def worker_state(self) -> str:
+        """off, starting, "failed: why", or once ready: busy while any prompt sent to it is not
+        back in the pool yet, else idle."""
         if self.state == "ready":
-            return "busy" if self.prefilling or self.at_worker else "idle"
+            return "busy" if self.at_worker else "idle"
         return self.state
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> bool:
