@@ -5,9 +5,9 @@ Per-request latencies are histograms (`pdchat:ttft_ms`, `pdchat:tpot_ms`, `pdcha
 are counters, and the engine snapshot (EngineStats) is read at scrape time: every numeric field
 becomes the gauge `pdchat:<field>` (booleans 0/1), the text fields (model, device, spec method,
 prefill worker state, ...) the labels of `pdchat:engine_info`. A field the engine cannot measure
-(None) is left out, never sent as 0, and so is a field a per-request metric already names (one name,
-one metric). `pdchat:kv_usage` and `pdchat:spec_acceptance_rate` are the two ratios dashboards
-want; `pdchat:prefill_worker_busy` (0/1, while a prefill worker exists) says whether it is prefilling.
+(None) is left out, never sent as 0. `pdchat:kv_usage` and `pdchat:spec_acceptance_rate` are the
+two ratios dashboards want; `pdchat:prefill_worker_busy` (0/1, while a prefill worker exists) says
+whether prompts sent to it are not back yet.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ TPOT_BUCKETS = (1, 2, 5, 10, 20, 40, 60, 80, 100, 150, 200, 300, 500, 1000, 2500
 E2E_BUCKETS = (10, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000, 300000)
 KV_TRANSFER_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 10000)
 
+
 class _Snapshot(Collector):
     """Engine snapshot gauges, read from Engine.stats() at each scrape."""
 
@@ -47,7 +48,7 @@ class _Snapshot(Collector):
             yield GaugeMetricFamily(f"{PREFIX}kv_usage", "KV blocks in use / KV blocks in the pool",
                                     value=st.kv_blocks_used / st.kv_blocks_total)
         if st.prefill_worker != "off":
-            yield GaugeMetricFamily(f"{PREFIX}prefill_worker_busy", "1 while the prefill worker computes a prompt",
+            yield GaugeMetricFamily(f"{PREFIX}prefill_worker_busy", "1 while prompts sent to the prefill worker are not back",
                                     value=float(st.prefill_worker == "busy"))
         drafted, accepted = self._spec_totals()
         if drafted:
