@@ -11,8 +11,8 @@ Extras, beyond EngineStats: `server` (which dialect was read), `kv_usage` (fract
 in use, the one figure every server exposes), `spec_drafted` / `spec_accepted` (speculative tokens
 since the server started), `spec_acceptance_rate` (accepted / drafted), `spec_accept_length`
 (SGLang: mean tokens per verify step), `prefill_worker_busy` (pdchat with --disaggregate: 1
-while prompts sent to its prefill worker are not back) and, for the prefill/decode split of vLLM (its NIXL
-connector) and SGLang (`--disaggregation-mode`), `kv_transfer_mean_ms` (vLLM: the mean hand-off
+while prompts sent to its prefill worker are not back) and, for the prefill/decode split of
+vLLM (its NIXL connector) and SGLang (`--disaggregation-mode`), `kv_transfer_mean_ms` (vLLM: the mean hand-off
 since start), `kv_transfer_gbps` (SGLang: the recent transfer speed) and `kv_transfer_queue`
 (SGLang's decode side: requests whose K/V are arriving). There, `disaggregate` is 1 when the server
 exports such metrics, `kv_transfers`/`kv_transferred_bytes` come from vLLM's histograms,
