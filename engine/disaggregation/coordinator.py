@@ -76,7 +76,12 @@ class Disaggregation:
         self._settings = (cfg.quant, cfg.prefix_cache)
         self.state = "starting"
         self.ready.clear()
-        self.worker = WorkerProcess(cfg, self.cores[0], KvReceiver(cfg.kv_link, self.link, staging), self._post)
+        receiver = KvReceiver(cfg.kv_link, self.link, staging)
+        try:
+            self.worker = WorkerProcess(cfg, self.cores[0], receiver, self._post)
+        except OSError as e:                      # no interpreter to start: the staging file must go too
+            receiver.close()
+            self._lost(f"it could not be started: {e}")
 
     def stop(self) -> list[Sequence]:
         """Stop the worker; the prompts it held are prefilled here (the scheduler takes them)."""

@@ -305,3 +305,13 @@ def test_a_failure_the_worker_reports_ends_that_request_alone(reference):
         assert (result.finish_reason, result.error) == ("error", "prefill worker: RuntimeError: boom")
         assert other.result().token_ids == reference[1]
         assert e.submit(prompts()[0], GREEDY).result().token_ids == reference[0]
+
+
+def test_a_worker_that_cannot_be_started_leaves_no_staging_file(reference, monkeypatch):
+    monkeypatch.setattr(worker_process.sys, "executable", "/nonexistent/python")
+    staged = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    with engine(disaggregate=True) as e:
+        assert e.stats().prefill_worker.startswith("failed: it could not be started")
+        assert e.submit(prompts()[1], GREEDY).result().token_ids == reference[1]
+    if os.path.isdir("/dev/shm"):
+        assert set(os.listdir("/dev/shm")) <= staged
