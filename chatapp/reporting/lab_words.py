@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from pdchat.chatapp.format import size
+
 NA = "n/a"
 
 
@@ -17,10 +19,6 @@ def _ms(v: float | None) -> str:
 
 def _delta_ms(v: float) -> str:
     return f"{v:+,.0f} ms" if abs(v) >= 10 else f"{v:+.1f} ms"
-
-
-def _bytes(n: int) -> str:
-    return f"{n / 1e6:,.1f} MB" if n >= 100_000 else f"{n:,} bytes"
 
 
 def _pct(v: float | None) -> str:
@@ -89,7 +87,7 @@ def _disaggregation(n: dict[str, Any]) -> str:
     return (f"disaggregated, the stream's worst gap is {n['disaggregated_gap_over_tpot']:.1f}× its TPOT "
             f"(colocated, chunked: {n['colocated_gap_over_tpot']:.1f}×); the newcomer's TTFT is "
             f"{_ms(n['disaggregated_ttft_ms'])} (colocated, chunked: {_ms(n['colocated_ttft_ms'])}), its "
-            f"{_bytes(n['transfer_bytes'])} of K/V handed over in {_ms(n['transfer_ms'])}; over a "
+            f"{size(n['transfer_bytes'])} of K/V handed over in {_ms(n['transfer_ms'])}; over a "
             f"{n['slow_link_gbps']:g} GB/s, {n['slow_link_ms']:g} ms link the hand-off takes "
             f"{_ms(n['transfer_rise_ms'])} longer and the TTFT changes by {_delta_ms(n['ttft_rise_ms'])}; {cost}")
 

@@ -58,7 +58,7 @@ def test_the_sentences_carry_the_numbers():
     lead, slower_anyway, unmeasured = (in_words(v) for v in VERDICTS if v["id"] == "disaggregation")
     assert lead == (
         "disaggregated, the stream's worst gap is 1.1× its TPOT (colocated, chunked: 3.3×); the newcomer's TTFT is "
-        "4,600 ms (colocated, chunked: 6,570 ms), its 79.5 MB of K/V handed over in 12 ms; over a 0.1 GB/s, 10 ms "
+        "4,600 ms (colocated, chunked: 6,570 ms), its 75.8 MB of K/V handed over in 12 ms; over a 0.1 GB/s, 10 ms "
         "link the hand-off takes 794 ms longer and the TTFT changes by +820 ms; below 0.04 GB/s the hand-off alone "
         "would cost the newcomer more than colocated slices")
     assert slower_anyway.endswith("; even without the hand-off the newcomer waits longer than colocated")
