@@ -266,7 +266,7 @@ class Engine:
         self._closed = True
         atexit.unregister(self.close)
         self.loop.stop(timeout=30)
-        self.disagg.close()
+        self.disagg.stop()
         if self.monitor is not None:
             self.monitor.stop()
         # Weights and the KV pool are nearly all of the engine's memory: let them go even while a

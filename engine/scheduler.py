@@ -89,6 +89,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def streaming(self) -> bool:
+        """Some running request is decoding: its stream is what a step's budget protects."""
+        return any(s.t_first_token is not None for s in self.running)
+
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
@@ -127,8 +132,7 @@ class Scheduler:
     def _budget(self) -> "_PlanBuilder":
         """This step's budget: none unless someone is decoding; else tokens (a fixed chunk) or
         time (the prefill's share of step_budget decode steps, as the cost model predicts it)."""
-        decoding = any(s.t_first_token is not None for s in self.running)
-        if not (decoding and self.kv_cache and self.chunk_size):
+        if not (self.streaming and self.kv_cache and self.chunk_size):
             return _PlanBuilder(None, None, self.cost)
         if self.chunk_size != "auto":
             return _PlanBuilder(self.chunk_size, None, self.cost)

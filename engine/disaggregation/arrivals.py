@@ -45,6 +45,8 @@ class Arrivals:
         """Write what this step may into the pool; the requests (from `waiting`, by id) whose K/V
         are now all in, with their hand-offs, in order."""
         done: list[tuple[Sequence, Handoff]] = []
+        if not self.queue:                           # (every step: nothing to do most of them)
+            return done
         budget = self._budget()
         while self.queue and len(self.scheduler.running) + len(done) < self.scheduler.max_num_seqs:
             handoff = self.queue[0]
@@ -67,9 +69,8 @@ class Arrivals:
     def _budget(self) -> float | None:
         """Bytes this step may write: None (all) unless a stream is decoding and both the decode
         step and the write rate are measured."""
-        streaming = any(s.t_first_token is not None for s in self.scheduler.running)
         decode_s = self.scheduler.cost.decode_s
-        if not streaming or decode_s is None or self.write_bps is None:
+        if not self.scheduler.streaming or decode_s is None or self.write_bps is None:
             return None
         return IMPORT_SHARE * decode_s * self.write_bps
 

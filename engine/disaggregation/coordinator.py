@@ -218,9 +218,6 @@ class Disaggregation:
         self.ready.wait(timeout)
         return self.state == "ready"
 
-    def close(self) -> None:
-        self.stop()
-
 
 def _cores(cores: list[int]) -> str:
     return ("core " if len(cores) == 1 else "cores ") + ", ".join(map(str, cores))

@@ -127,9 +127,6 @@ class KvSender:
         else:
             self.data.sendall(_bytes_of(kv))
 
-    def close(self) -> None:
-        self.data.close()
-
 
 class KvReceiver:
     """The engine's end. Made before the worker starts (the worker connects to it); turns a "kv"

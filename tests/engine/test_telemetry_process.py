@@ -1,6 +1,7 @@
 """This process's own CPU beside the machine's, and the sampler slowing down while the process idles."""
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -103,8 +104,8 @@ def test_engine_stats_and_the_local_backend_carry_the_process_cpu() -> None:
 
 
 def test_the_process_family_counts_a_child_process_as_its_own():
-    """A prefill worker (a child process) busy on a core is pdchat's load: the family's share of a
-    core covers it, where psutil's own process alone would show next to nothing."""
+    """A prefill worker (a child process) busy on a core is pdchat's load: the family's CPU time
+    since the last reading covers the child's, where this process's own does not."""
     import subprocess
     import sys
     import time
@@ -113,10 +114,18 @@ def test_the_process_family_counts_a_child_process_as_its_own():
 
     from pdchat.engine.telemetry import ProcessFamily
     family, alone = ProcessFamily(), psutil.Process()
-    family.cpu_percent(), alone.cpu_percent(interval=None)
-    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.0: pass"])
+    family_before, own = family._cpu_seconds(), alone.cpu_times()
+    own_before = own.user + own.system
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 30: pass"])
     try:
-        time.sleep(0.8)
-        assert family.cpu_percent() > 50 > alone.cpu_percent(interval=None)
+        burner = psutil.Process(child.pid)
+        while sum(burner.cpu_times()[:2]) < 0.3:           # until the child has used 0.3 s of CPU
+            time.sleep(0.05)
+        child_s = sum(burner.cpu_times()[:2])
+        own = alone.cpu_times()
+        tick = 2 / os.sysconf("SC_CLK_TCK")                 # CPU times come in clock ticks
+        assert family._cpu_seconds() - family_before >= child_s - tick
+        assert own.user + own.system - own_before < child_s / 2
     finally:
+        child.kill()
         child.wait()
