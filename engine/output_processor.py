@@ -87,8 +87,7 @@ class OutputProcessor:
         the step's tokens and predicted time (a UI moves the bar by them until the first report)."""
         for item in plan.items:
             seq = item.seq
-            if seq.t_first_token is None and seq.num_computed_tokens == (seq.num_cached_prompt_tokens or 0) \
-                    and seq.t_prefilled is None:             # (not a prompt the prefill worker computed)
+            if seq.t_first_token is None and seq.num_computed_tokens == (seq.num_cached_prompt_tokens or 0):
                 seq.sink.put(ProgressEvent("prefill", seq.num_computed_tokens, seq.num_prompt_tokens,
                                            seq.num_cached_prompt_tokens or 0, time.perf_counter(),
                                            layers=self.layers if item.num_tokens >= LAYER_PROGRESS_TOKENS else 0,

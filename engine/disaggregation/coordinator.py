@@ -77,10 +77,12 @@ class Disaggregation:
         self.state = "starting"
         self.ready.clear()
         receiver = KvReceiver(cfg.kv_link, self.link, staging)
+        self.worker = WorkerProcess(receiver, self._post)
         try:
-            self.worker = WorkerProcess(cfg, self.cores[0], receiver, self._post)
+            self.worker.start(cfg, self.cores[0])
         except OSError as e:                      # no interpreter to start: the staging file must go too
             receiver.close()
+            self.worker = None
             self._lost(f"it could not be started: {e}")
 
     def stop(self) -> list[Sequence]:

@@ -23,9 +23,15 @@ from .prefill_worker import log_file
 
 
 class WorkerProcess:
-    def __init__(self, cfg: EngineConfig, cores: list[int], receiver: KvReceiver,
-                 post: Callable[[str, Any], None]):
+    def __init__(self, receiver: KvReceiver, post: Callable[[str, Any], None]):
         self.receiver, self._post = receiver, post
+        self.process: Any = None
+        self.control: Any = None
+
+    def start(self, cfg: EngineConfig, cores: list[int]) -> None:
+        """Spawn the worker. Separate from __init__ so the engine holds this object before the
+        worker can say anything (its messages are checked against the worker the engine holds)."""
+        receiver = self.receiver
         ours, theirs = socket.socketpair()
         fds = [theirs.fileno()] + ([receiver.worker_fd] if receiver.worker_fd is not None else [])
         # The child finds pdchat where this process found it (an installed package or a checkout).
