@@ -27,7 +27,6 @@ from .paths import cache_dir, models_dir
 FORMATS = ("int8", "int4")          # quantized weight formats; "none" runs the load dtype
 INT4_GROUP = reference.INT4_GROUP
 INT4_WIDTH = 64                     # int4 matrices' widths are multiples of this (the kernels' unit)
-INT4_MAX_WIDTH = 65536              # and at most this (the C kernel keeps a row's scales on its stack)
 QUANT_ROWS = 4096
 
 
@@ -82,9 +81,8 @@ QUANTIZERS: dict[str, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]
 
 
 def fits(fmt: str, weight: torch.Tensor) -> bool:
-    """Whether a matrix can take the format (int4: a width that is a multiple of 64, up to 64K)."""
-    return weight.dim() == 2 and (fmt != "int4" or (weight.shape[1] % INT4_WIDTH == 0
-                                                    and weight.shape[1] <= INT4_MAX_WIDTH))
+    """Whether a matrix can take the format (int4: a width that is a multiple of 64)."""
+    return weight.dim() == 2 and (fmt != "int4" or weight.shape[1] % INT4_WIDTH == 0)
 
 
 # ---- layers ---------------------------------------------------------------------------------

@@ -340,8 +340,7 @@ class CpuKernels:
                                        bias.data_ptr() if bias is not None else None, y.data_ptr(),
                                        x.shape[0], N, K, torch.get_num_threads())
         if status != 0:
-            raise MemoryError("int4 matmul: out of memory for the quantized activations (or rows wider "
-                              "than quant.INT4_MAX_WIDTH)")
+            raise MemoryError("int4 matmul: out of memory for the quantized activations")
         return y
 
     @staticmethod

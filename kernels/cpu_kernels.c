@@ -256,10 +256,14 @@ int pd_linear_f32(const float *x, const float *w, const float *bias, float *y, i
  * corr[m] = 128 * sum_b s_b * (sum(hi_b) + sum(lo_b) / 254) undoes the +128 offset of the weights
  * where the dot product sees it (PD_INT8_OFFSET), else 0. */
 #define LO_SCALE 254.f
+/* The larger of two floats that are not NaN: an instruction, where fmaxf is a call into libm
+ * (GCC keeps its NaN rules), made per key in attention and per value in quantizing. */
+static inline float max_f(float a, float b) { return a > b ? a : b; }
+
 /* The int8 scale of n values, s = max|x| / 127; returns 1 / s (0 for an all-zero block). */
 static inline float block_scale(const float *p, int n, float *s) {
     float amax = 0.f;
-    for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(p[i]));
+    for (int i = 0; i < n; i++) amax = max_f(amax, fabsf(p[i]));
     *s = amax / 127.f;
     return amax > 0.f ? 127.f / amax : 0.f;
 }
@@ -438,12 +442,14 @@ static inline float bf16_to_f32(uint16_t b) {
     return f;
 }
 
-/* Activations to int8 in blocks of 32 (one per weight group), with their scales xs and, beside
- * each group's (d, m) once the weights' params are floats, (0, xs * sum(q)) in xz: the offset
- * term of a row is then one float dot product with the params. The groups of a block of
- * Q4_SPLIT are stored split, the first halves of the Q4_SPLIT groups then their second halves,
- * as one load of the weights' nibbles holds them (low nibbles: first halves); the groups past
- * the last whole block keep their order. */
+/* Activations to int8 in blocks of 32 (one per weight group), with their scales xs and the
+ * offset term's factor xz = xs * sum(q), so that over a group <w, x> = d * xs * <u, xq> + m * xz.
+ * Both are stored once per lane a group's products fill (Q4_XS_LANES: 4 int32 lanes on x86), xz
+ * shared out among the lanes (a power of two: exact), so the scales of a load's groups are one
+ * vector load each, not a gather, and the offset term is one more multiply-add in the same loop.
+ * The groups of a block of Q4_SPLIT are stored split, the first halves of the Q4_SPLIT groups
+ * then their second halves, as one load of the weights' nibbles holds them (low nibbles: first
+ * halves); the groups past the last whole block keep their order. */
 #if PDCHAT_INT8_PATH == PD_INT8_AVX512VNNI
 #define Q4_SPLIT 4
 #elif PDCHAT_INT8_PATH == PD_INT8_AVXVNNI || PDCHAT_INT8_PATH == PD_INT8_AVX2
@@ -451,8 +457,6 @@ static inline float bf16_to_f32(uint16_t b) {
 #else
 #define Q4_SPLIT 1
 #endif
-/* A group's activation scale is stored once per lane its products fill (4 int32 lanes on x86),
- * so the scales of a load's groups are one vector load, not a gather. */
 #if Q4_SPLIT > 1
 #define Q4_XS_LANES 4
 #else
@@ -481,38 +485,58 @@ static void quantize_q4_blocks(const float *x, int M, int K, int8_t *q, float *x
                 q[(int64_t)m * K + q4_x_index(g, i, ng)] = v;
                 sum += v;
             }
-            for (int l = 0; l < Q4_XS_LANES; l++)
+            for (int l = 0; l < Q4_XS_LANES; l++) {
                 xs[Q4_XS(m, g) + l] = s;
-            xz[2 * ((int64_t)m * ng + g)] = 0.f;
-            xz[2 * ((int64_t)m * ng + g) + 1] = s * (float)sum;
+                xz[Q4_XS(m, g) + l] = s * (float)sum / (float)Q4_XS_LANES;
+            }
         }
 }
 
-/* sum_g d[g] * xs[r, g] * <u_g, xq_rg> for one weight row (wr; pf its params as floats, d and m
- * interleaved) and R <= Q4_TILE activation rows (x, xs, rows K apart), ng groups, into out[R].
- * The weights are unpacked once for all R rows and their scales read once: a chunked prefill
- * multiplies 32 rows by every matrix. Called with R constant, the row loops unroll into
- * registers. The offset part, sum_g m[g] * xsum[r, g], is a float dot product (q4_rows). */
+/* For one weight row (wr, its params pr: (d, m) per group in bf16) and R <= Q4_TILE activation
+ * rows (x, xs, xz; rows K apart), ng groups: out[r] = sum_g d * xs * <u, xq> + m * xz. The
+ * weights are unpacked and their params widened once for all R rows (a chunked prefill
+ * multiplies 32 rows by every matrix), and inside the loop: a decode step's rows are 576 weights
+ * wide in the default model, so anything done once per row (a pass over its params, a separate
+ * dot product for the offset term) cost as much as the products. Called with R constant, the
+ * row loops unroll into registers. */
 #define Q4_TILE 4
+/* Inlined into each call with a constant R: a call per weight row (the compiler's choice at R = 1)
+ * cost a seventh of a decode step in spills and the return through memory. */
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+#if PDCHAT_INT8_PATH == PD_INT8_AVX512VNNI || PDCHAT_INT8_PATH == PD_INT8_AVXVNNI || PDCHAT_INT8_PATH == PD_INT8_AVX2
+/* n (d, m) pairs of bf16 to floats in order: the bf16 bits are a float's top half. */
+static inline __m256 q4_params8(const uint16_t *pr) {            /* four groups */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)pr)), 16));
+}
+static inline __m128 q4_params4(const uint16_t *pr) {            /* two groups */
+    return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)pr)), 16));
+}
+#endif
 #if PDCHAT_INT8_PATH == PD_INT8_AVX512VNNI
-static inline void dot_q4_rows(const uint8_t *wr, const float *pf, const int8_t *x, const float *xs,
-                               int ng, int K, int R, float *out) {
+static ALWAYS_INLINE void dot_q4_rows(const uint8_t *wr, const uint16_t *pr, const int8_t *x, const float *xs,
+                               const float *xz, int ng, int K, int R, float *out) {
     const __m512i nibble = _mm512_set1_epi8(0x0f);
-    /* a product's lanes 4g..4g+3 hold group g of the block: the d of params pairs 0..3 */
+    /* a product's lanes 4g..4g+3 hold group g of the block: its d and m are params 2g and 2g+1 */
     const __m512i by_d = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
+    const __m512i by_m = _mm512_set_epi32(7, 7, 7, 7, 5, 5, 5, 5, 3, 3, 3, 3, 1, 1, 1, 1);
     __m512 f[Q4_TILE];
-    for (int r = 0; r < R; r++)
+    float tail[Q4_TILE];
+    for (int r = 0; r < R; r++) {
         f[r] = _mm512_setzero_ps();
+        tail[r] = 0.f;
+    }
     int g = 0;
     for (; g + Q4_SPLIT <= ng; g += Q4_SPLIT) {   /* four groups (128 weights) per pair of products */
         __m512i p = _mm512_loadu_si512(wr + g * Q4_GROUP_BYTES);
         __m512i lo = _mm512_and_si512(p, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), nibble);
-        __m512 d = _mm512_permutexvar_ps(by_d, _mm512_castps256_ps512(_mm256_loadu_ps(pf + 2 * g)));
+        __m512 dm = _mm512_castps256_ps512(q4_params8(pr + 2 * g));
+        __m512 d = _mm512_permutexvar_ps(by_d, dm), m = _mm512_permutexvar_ps(by_m, dm);
         for (int r = 0; r < R; r++) {
             const int8_t *xb = x + (int64_t)r * K + g * Q4_GROUP;
             __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xb)),
                                               hi, _mm512_loadu_si512(xb + 4 * Q4_GROUP_BYTES));
             f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_loadu_ps(xs + Q4_XS(r, g))), f[r]);
+            f[r] = _mm512_fmadd_ps(m, _mm512_loadu_ps(xz + Q4_XS(r, g)), f[r]);
         }
     }
     if (g < ng) {                                /* two groups left (ng is even), in order */
@@ -521,32 +545,35 @@ static inline void dot_q4_rows(const uint8_t *wr, const float *pf, const int8_t 
         __m256i lo = _mm256_and_si256(p, nib), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), nib);
         __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
                                        _mm256_permute2x128_si256(lo, hi, 0x31), 1);
+        float d0 = bf16_to_f32(pr[2 * g]), m0 = bf16_to_f32(pr[2 * g + 1]);
+        float d1 = bf16_to_f32(pr[2 * g + 2]), m1 = bf16_to_f32(pr[2 * g + 3]);
         for (int r = 0; r < R; r++) {
             float s0 = xs[Q4_XS(r, g)], s1 = xs[Q4_XS(r, g + 1)];
             __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u,
                                               _mm512_loadu_si512(x + (int64_t)r * K + g * Q4_GROUP));
             /* insertf64x4, not insertf32x8: the latter is AVX-512 DQ, which this path does not require */
             __m512 s = _mm512_castpd_ps(_mm512_insertf64x4(
-                _mm512_castps_pd(_mm512_set1_ps(pf[2 * g] * s0)),
-                _mm256_castps_pd(_mm256_set1_ps(pf[2 * g + 2] * s1)), 1));
+                _mm512_castps_pd(_mm512_set1_ps(d0 * s0)), _mm256_castps_pd(_mm256_set1_ps(d1 * s1)), 1));
             f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, f[r]);
+            tail[r] = (m0 * xz[Q4_XS(r, g)] + m1 * xz[Q4_XS(r, g + 1)]) * (float)Q4_XS_LANES;
         }
     }
     for (int r = 0; r < R; r++)
-        out[r] = _mm512_reduce_add_ps(f[r]);
+        out[r] = _mm512_reduce_add_ps(f[r]) + tail[r];
 }
 #elif PDCHAT_INT8_PATH == PD_INT8_AVXVNNI || PDCHAT_INT8_PATH == PD_INT8_AVX2
-static inline void dot_q4_rows(const uint8_t *wr, const float *pf, const int8_t *x, const float *xs,
-                               int ng, int K, int R, float *out) {
+static ALWAYS_INLINE void dot_q4_rows(const uint8_t *wr, const uint16_t *pr, const int8_t *x, const float *xs,
+                               const float *xz, int ng, int K, int R, float *out) {
     const __m256i nibble = _mm256_set1_epi8(0x0f);
-    const __m256i by_d = _mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0);
+    const __m256i by_d = _mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0), by_m = _mm256_set_epi32(3, 3, 3, 3, 1, 1, 1, 1);
     __m256 f[Q4_TILE];
     for (int r = 0; r < R; r++)
         f[r] = _mm256_setzero_ps();
     for (int g = 0; g < ng; g += Q4_SPLIT) {     /* two groups (64 weights) per pair of products */
         __m256i p = _mm256_loadu_si256((const __m256i *)(wr + g * Q4_GROUP_BYTES));
         __m256i lo = _mm256_and_si256(p, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), nibble);
-        __m256 d = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(pf + 2 * g)), by_d);
+        __m256 dm = _mm256_castps128_ps256(q4_params4(pr + 2 * g));
+        __m256 d = _mm256_permutevar8x32_ps(dm, by_d), m = _mm256_permutevar8x32_ps(dm, by_m);
         for (int r = 0; r < R; r++) {
             const int8_t *xb = x + (int64_t)r * K + g * Q4_GROUP;
             __m256i xlo = _mm256_loadu_si256((const __m256i *)xb), xhi = _mm256_loadu_si256((const __m256i *)(xb + 32));
@@ -558,33 +585,39 @@ static inline void dot_q4_rows(const uint8_t *wr, const float *pf, const int8_t 
                                            _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xhi), ones));
 #endif
             f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_loadu_ps(xs + Q4_XS(r, g))), f[r]);
+            f[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xz + Q4_XS(r, g)), f[r]);
         }
     }
     for (int r = 0; r < R; r++)
         out[r] = sum8(f[r]);
 }
 #elif PDCHAT_INT8_PATH == PD_INT8_NEON_DOT
-static inline void dot_q4_rows(const uint8_t *wr, const float *pf, const int8_t *x, const float *xs,
-                               int ng, int K, int R, float *out) {
+static ALWAYS_INLINE void dot_q4_rows(const uint8_t *wr, const uint16_t *pr, const int8_t *x, const float *xs,
+                               const float *xz, int ng, int K, int R, float *out) {
     const uint8x16_t nibble = vdupq_n_u8(0x0f);
     float32x4_t f[Q4_TILE];
-    for (int r = 0; r < R; r++)
+    float offset[Q4_TILE];
+    for (int r = 0; r < R; r++) {
         f[r] = vdupq_n_f32(0.f);
+        offset[r] = 0.f;
+    }
     for (int g = 0; g < ng; g++) {
         uint8x16_t p = vld1q_u8(wr + g * Q4_GROUP_BYTES);
         int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(p, nibble)), hi = vreinterpretq_s8_u8(vshrq_n_u8(p, 4));
+        float d = bf16_to_f32(pr[2 * g]), m = bf16_to_f32(pr[2 * g + 1]);
         for (int r = 0; r < R; r++) {
             const int8_t *xg = x + (int64_t)r * K + g * Q4_GROUP;
             int32x4_t dot = vdotq_s32(vdotq_s32(vdupq_n_s32(0), lo, vld1q_s8(xg)), hi, vld1q_s8(xg + 16));
-            f[r] = vfmaq_n_f32(f[r], vcvtq_f32_s32(dot), pf[2 * g] * xs[Q4_XS(r, g)]);
+            f[r] = vfmaq_n_f32(f[r], vcvtq_f32_s32(dot), d * xs[Q4_XS(r, g)]);
+            offset[r] += m * xz[Q4_XS(r, g)];
         }
     }
     for (int r = 0; r < R; r++)
-        out[r] = vaddvq_f32(f[r]);
+        out[r] = vaddvq_f32(f[r]) + offset[r];
 }
 #else
-static inline void dot_q4_rows(const uint8_t *wr, const float *pf, const int8_t *x, const float *xs,
-                               int ng, int K, int R, float *out) {
+static ALWAYS_INLINE void dot_q4_rows(const uint8_t *wr, const uint16_t *pr, const int8_t *x, const float *xs,
+                               const float *xz, int ng, int K, int R, float *out) {
     for (int r = 0; r < R; r++) {
         const int8_t *xr = x + (int64_t)r * K;
         float f = 0.f;
@@ -595,7 +628,7 @@ static inline void dot_q4_rows(const uint8_t *wr, const float *pf, const int8_t 
 #pragma omp simd reduction(+ : d)
             for (int i = 0; i < Q4_GROUP_BYTES; i++)
                 d += (int32_t)(wg[i] & 15) * xg[i] + (int32_t)(wg[i] >> 4) * xg[i + Q4_GROUP_BYTES];
-            f += pf[2 * g] * xs[Q4_XS(r, g)] * (float)d;
+            f += bf16_to_f32(pr[2 * g]) * xs[Q4_XS(r, g)] * (float)d + bf16_to_f32(pr[2 * g + 1]) * xz[Q4_XS(r, g)];
         }
         out[r] = f;
     }
@@ -611,34 +644,26 @@ struct q4_job {
     int M, N, K;
 };
 
-/* The widest row int4 takes (quant.INT4_MAX_WIDTH): a row's params fit a 16 KB stack buffer. */
-#define Q4_MAX_GROUPS 2048
-
 static void q4_rows(const void *p, int lo, int hi) {
     const struct q4_job *j = p;
     int ng = j->K / Q4_GROUP;
-    float pf[2 * Q4_MAX_GROUPS];                /* one weight row's (d, m) as floats */
     for (int n = lo; n < hi; n++) {
         const uint8_t *wr = j->w + (int64_t)n * (j->K / 2);
         const uint16_t *pr = j->params + (int64_t)n * 2 * ng;
-#pragma omp simd
-        for (int i = 0; i < 2 * ng; i++) {
-            uint32_t u = (uint32_t)pr[i] << 16;
-            memcpy(pf + i, &u, sizeof u);
-        }
         float b = j->bias ? j->bias[n] : 0.f, out[Q4_TILE];
         for (int m = 0; m < j->M; m += Q4_TILE) {
             int R = j->M - m < Q4_TILE ? j->M - m : Q4_TILE;
             const int8_t *x = j->x + (int64_t)m * j->K;
+            const float *xs = j->xs + Q4_XS(m, 0), *xz = j->xz + Q4_XS(m, 0);
             /* constants let the compiler keep the tile in registers (1: every decode) */
             if (R == Q4_TILE)
-                dot_q4_rows(wr, pf, x, j->xs + Q4_XS(m, 0), ng, j->K, Q4_TILE, out);
+                dot_q4_rows(wr, pr, x, xs, xz, ng, j->K, Q4_TILE, out);
             else if (R == 1)
-                dot_q4_rows(wr, pf, x, j->xs + Q4_XS(m, 0), ng, j->K, 1, out);
+                dot_q4_rows(wr, pr, x, xs, xz, ng, j->K, 1, out);
             else
-                dot_q4_rows(wr, pf, x, j->xs + Q4_XS(m, 0), ng, j->K, R, out);
+                dot_q4_rows(wr, pr, x, xs, xz, ng, j->K, R, out);
             for (int r = 0; r < R; r++)
-                j->y[(int64_t)(m + r) * j->N + n] = out[r] + dot_f32(pf, j->xz + 2 * (int64_t)(m + r) * ng, 2 * ng) + b;
+                j->y[(int64_t)(m + r) * j->N + n] = out[r] + b;
         }
     }
 }
@@ -698,15 +723,12 @@ void pd_unpack_q4(const uint8_t *w, const uint16_t *params, float *out, int N, i
     parallel_rows(q4_unpack_rows, &job, N, row_chunk(N, threads), threads);
 }
 
-/* K must be a multiple of 64, at most 64 * Q4_MAX_GROUPS / 2. Returns -1 if out of memory or K is
- * wider (the caller raises). */
+/* K must be a multiple of 64. Returns -1 if out of memory (the caller raises). */
 int pd_linear_q4(const float *x, const uint8_t *w, const uint16_t *params, const float *bias, float *y,
                  int M, int N, int K, int threads) {
     int ng = K / Q4_GROUP;
-    if (ng > Q4_MAX_GROUPS)
-        return -1;
     int8_t *xq = malloc((size_t)M * K);
-    float *xs = malloc(sizeof(float) * (Q4_XS_LANES + 2) * (size_t)M * ng);
+    float *xs = malloc(sizeof(float) * 2 * Q4_XS_LANES * (size_t)M * ng);
     if (!xq || !xs) {
         free(xq);
         free(xs);
@@ -900,7 +922,7 @@ static inline void softmax_keys(float sc[TK][TR], int nk, int j0, const float *l
     for (int j = 0; j < nk; j++) {
         float kp = (float)(j0 + j);
 #pragma omp simd
-        for (int r = 0; r < TR; r++) mt[r] = kp <= lim[r] ? fmaxf(mt[r], sc[j][r]) : mt[r];
+        for (int r = 0; r < TR; r++) mt[r] = kp <= lim[r] ? max_f(mt[r], sc[j][r]) : mt[r];
     }
 #pragma omp simd
     for (int r = 0; r < TR; r++) {
@@ -1034,9 +1056,9 @@ static void attention_items(const void *arg, int lo, int hi) {
             float tile_max = -INFINITY;
             for (int j = 0; j < n; j++) {
                 sc[j] = dot_f32(qv, kr + j * row, D) * scale;
-                tile_max = fmaxf(tile_max, sc[j]);
+                tile_max = max_f(tile_max, sc[j]);
             }
-            float m_new = fmaxf(m, tile_max), rescale = exp_fast(m - m_new), tile_sum = 0.f;
+            float m_new = max_f(m, tile_max), rescale = exp_fast(m - m_new), tile_sum = 0.f;
 #pragma omp simd reduction(+ : tile_sum)
             for (int j = 0; j < n; j++) {        /* (a separate loop: the exps vectorize) */
                 sc[j] = exp_fast(sc[j] - m_new);

@@ -33,8 +33,7 @@ def test_int4_groups_span_their_own_range():
 def test_fits_names_the_widths_int4_takes():
     assert quant.fits("int4", torch.empty(8, 128)) and not quant.fits("int4", torch.empty(8, 96))
     assert quant.fits("int8", torch.empty(8, 96))
-    assert quant.fits("int4", torch.empty(8, quant.INT4_MAX_WIDTH, device="meta"))
-    assert not quant.fits("int4", torch.empty(8, quant.INT4_MAX_WIDTH + 64, device="meta"))    # stays int8
+    assert quant.fits("int4", torch.empty(8, 65536 + 64, device="meta"))       # any multiple of 64
 
 
 def logits_of(engine: Engine) -> torch.Tensor:
@@ -108,10 +107,15 @@ EVAL_TEXT = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de M
              "of the 1889 World's Fair, and to crown the centennial anniversary of the French Revolution.")
 
 
-@pytest.mark.parametrize("mode, max_ppl_ratio, min_match", [("int8", 1.10, 0.5), ("int4", 1.25, 0.3)])
-def test_default_model_quality_and_cache(default_engine, mode, max_ppl_ratio, min_match):
-    """Greedy match rate and perplexity against fp32 on the real model (figures: `pdchat bench
-    quant`); the quantized weights are cached on disk and read back from there."""
+@pytest.mark.parametrize("mode, max_ppl_ratio, min_agree", [("int8", 1.10, 0.95), ("int4", 1.25, 0.85)])
+def test_default_model_quality_and_cache(default_engine, mode, max_ppl_ratio, min_agree):
+    """Perplexity and next-token agreement against fp32 on the real model (figures: `pdchat bench
+    quant`); the quantized weights are cached on disk and read back from there.
+
+    Agreement is teacher-forced: the quantized model reads fp32's greedy replies and predicts each
+    next token. Comparing free-running greedy replies position by position measured luck: one
+    flipped near-tie early misaligns every later token (a 1e-7 change in the int4 kernel's
+    summation order moved that figure from over 0.3 to 0.125 with identical perplexity)."""
     ids = default_engine.tokenizer.encode(EVAL_TEXT, add_special_tokens=False)
 
     def perplexity() -> float:
@@ -121,11 +125,21 @@ def test_default_model_quality_and_cache(default_engine, mode, max_ppl_ratio, mi
     prompts = ["What is the capital of France?", "Name three colours.", "What is 2 + 2?"]
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     fp_ppl = perplexity()
-    fp_out = [c.token_ids for c in default_engine.generate(prompts, greedy)]
+    replies = [(default_engine.encode(p), c.token_ids) for p, c in zip(prompts, default_engine.generate(prompts, greedy))]
+
+    def agreement() -> float:
+        agree = 0
+        for prompt_ids, reply in replies:
+            logits = default_engine.prompt_logits(prompt_ids + reply)
+            predicted = logits[len(prompt_ids) - 1:-1].argmax(dim=-1)
+            agree += (predicted == torch.tensor(reply)).sum().item()
+        return agree / sum(len(r) for _, r in replies)
+
+    assert agreement() == 1.0              # fp32 predicts its own greedy replies
     default_engine.update(quant=mode)
     try:
         q_ppl = perplexity()
-        q_out = [c.token_ids for c in default_engine.generate(prompts, greedy)]
+        q_agree = agreement()
         cache = quant.cache_file(default_engine.files, mode)
         assert cache is not None and cache.is_file()
         default_engine.update(quant="none")
@@ -134,5 +148,4 @@ def test_default_model_quality_and_cache(default_engine, mode, max_ppl_ratio, mi
     finally:
         default_engine.update(quant="none")
     assert q_ppl < fp_ppl * max_ppl_ratio, (fp_ppl, q_ppl)
-    same = sum(a == b for x, y in zip(fp_out, q_out) for a, b in zip(x, y)) / sum(map(len, fp_out))
-    assert same > min_match, same
+    assert q_agree >= min_agree, q_agree
