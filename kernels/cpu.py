@@ -31,10 +31,10 @@ HEADERS = (Path(__file__).with_name("cpu_pool.h"),)
 # OpenMP runtime (threads are the C pool's; macOS's clang has no -fopenmp).
 CODE_FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno")
 FLAGS = (*CODE_FLAGS, "-march=native", "-shared", "-fPIC")      # the library for this machine
-LINEAR_MAX_ROWS = 40       # above this BLAS's matrix-matrix products win (measured, README)
-# int4's integer kernel keeps up with BLAS further than int8's: 4 rows share each unpacked group
-# (1B shapes, 2026-11-25: 1.2x fp32 BLAS at 41 rows, 0.8x at 64, level at 128, 0.5x at 256).
-INT4_MAX_ROWS = 96
+# Above this BLAS's matrix-matrix products win (measured, README), for fp32 and, on weights
+# unpacked slice by slice, for int8 and int4 too (int4's integer kernel up to 96 rows made
+# prompts of 48-96 tokens 0.64-0.87x as fast as fp32 on the default model, 2026-11-26).
+LINEAR_MAX_ROWS = 40
 UNPACK_FLOATS = 1 << 22    # quantized weights unpacked for BLAS this many at a time (16 MB, one buffer)
 QBLOCK = 64                # activation quantization block of the int8 product (cpu_kernels.c)
 
@@ -327,7 +327,7 @@ class CpuKernels:
         if not self._ok(x, bias) or packed.device.type != "cpu" or params.dtype != torch.bfloat16:
             return reference.linear_int4(x, packed, params, bias)
         N, K = packed.shape[0], packed.shape[1] * 2
-        if x.shape[0] > INT4_MAX_ROWS:
+        if x.shape[0] > LINEAR_MAX_ROWS:
             # As for int8, unpacked in C on the pool (torch's element-wise unpacking took longer
             # than the product).
             def unpack(n0: int, n1: int, out: torch.Tensor) -> None:

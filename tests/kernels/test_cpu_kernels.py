@@ -111,7 +111,7 @@ def test_int4_round_trip_is_within_half_a_step_of_each_group():
     assert torch.equal(reference.pack_int4(u), packed) and u.max() == 15 and u.min() == 0
 
 
-@pytest.mark.parametrize("rows", [1, 4, 5, 7, cpu.INT4_MAX_ROWS])     # whole tiles of 4 rows and ragged ends
+@pytest.mark.parametrize("rows", [1, 4, 5, 7, cpu.LINEAR_MAX_ROWS])     # whole tiles of 4 rows and ragged ends
 def test_int4_product_is_exact_integer_arithmetic(ops, rows):
     w = rand(80, 320, seed=3) * torch.linspace(0.1, 4, 80)[:, None]
     packed, params = quantize4(w)
@@ -156,7 +156,7 @@ def test_prefill_sized_quantized_products_unpack_to_blas_slice_by_slice(ops, sli
     if slice_rows is not None:
         monkeypatch.setattr(cpu, "UNPACK_FLOATS", 192 * slice_rows)
     w, bias = rand(80, 192, seed=6), rand(80, seed=8)
-    x = rand(max(cpu.LINEAR_MAX_ROWS, cpu.INT4_MAX_ROWS) + 3, 192, seed=7)
+    x = rand(cpu.LINEAR_MAX_ROWS + 3, 192, seed=7)
     packed, params = quantize4(w)
     for _ in range(2):                                        # the second call reuses the buffer
         torch.testing.assert_close(ops.linear_int4(x, packed, params, bias),
