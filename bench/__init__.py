@@ -25,6 +25,14 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
 
+def paired_ratio(ours: list[float], theirs: list[float]) -> float | None:
+    """The median over rounds of ours / theirs measured in the same round. On a machine whose speed
+    drifts between rounds (a shared VM: a third within the hour), a ratio of medians can compare a
+    fast phase with a slow one; each round's ratio compares runs seconds apart."""
+    pairs = [a / b for a, b in zip(ours, theirs) if b]
+    return median(pairs) if pairs else None
+
+
 def machine() -> dict[str, Any]:
     import torch
     info: dict[str, Any] = {"date": datetime.date.today().isoformat(), "platform": platform.platform(),

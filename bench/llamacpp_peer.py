@@ -121,17 +121,20 @@ def open_peer(gguf: Path, *, threads: int, n_ctx: int = 2048) -> tuple[LlamaCppP
 
 
 def section(peer: LlamaCppPeer | None, reason: str | None, decode: list[Rate], prefill: list[Rate], *,
-            ours_decode: dict[str, float | None], prefill_tok_s: float) -> dict[str, Any]:
+            ours_decode: dict[str, list[float]], ours_prefill: list[float]) -> dict[str, Any]:
     """The "llamacpp" section of the baseline result: medians of the peer's runs and our ratios to
-    them (ours_decode: tok/s by weight precision, e.g. float32, int8, int4).
+    them, each the median of the rounds' ratios (ours_decode: tok/s per round by weight precision,
+    e.g. float32, int8, int4; ours_prefill: fp32 prefill tok/s per round; round i of each list ran
+    beside the peer's round i).
 
     If llama.cpp did not get its cores while decoding (another process was busy), its tok/s are
     still reported but no verdict is given: it degrades far worse than torch under contention."""
-    from pdchat.bench import median, ratio
+    from pdchat.bench import median, paired_ratio
     pd = median([r.tok_s for r in decode]) if peer and decode else None
     pp = median([r.tok_s for r in prefill]) if peer and prefill else None
     cores = median([r.cores for r in decode]) if peer and decode else None
-    ratios = {f"pdchat_{name}_decode_ratio": ratio(tok_s, pd) for name, tok_s in ours_decode.items()}
+    peer_decode = [r.tok_s for r in decode] if peer else []
+    ratios = {f"pdchat_{name}_decode_ratio": paired_ratio(tok_s, peer_decode) for name, tok_s in ours_decode.items()}
     r4 = ratios.get("pdchat_int4_decode_ratio")
     if cores is not None and cores < STARVED * peer.threads:
         reason = (f"llama.cpp got {cores:.2f} of its {peer.threads} threads' cores while decoding: another "
@@ -140,7 +143,7 @@ def section(peer: LlamaCppPeer | None, reason: str | None, decode: list[Rate], p
         "version": peer.version if peer else None, "gguf": str(peer.gguf) if peer else None,
         "gguf_type": peer.gguf_type if peer else None, "threads": peer.threads if peer else None,
         "llamacpp_decode_tok_s": pd, "llamacpp_prefill_tok_s": pp, "llamacpp_decode_cores_busy": cores,
-        **ratios, "pdchat_prefill_ratio": ratio(prefill_tok_s, pp),
+        **ratios, "pdchat_prefill_ratio": paired_ratio(ours_prefill, [r.tok_s for r in prefill] if peer else []),
         "goal": GOAL, "met": None if r4 is None or reason else r4 >= 1.0,
         "reason": reason,
     }

@@ -32,8 +32,8 @@ def test_unavailable_when_llama_cpp_is_missing(monkeypatch, tmp_path):
     assert "llama-cpp-python is not installed" in reason and "pdchat[peer]" in reason
     peer, why = llamacpp_peer.open_peer(tmp_path / "m.gguf", threads=2)
     assert peer is None and why == reason
-    sec = llamacpp_peer.section(peer, reason, [], [], ours_decode={"float32": 14.0, "int4": 25.0},
-                                prefill_tok_s=500.0)
+    sec = llamacpp_peer.section(peer, reason, [], [], ours_decode={"float32": [14.0], "int4": [25.0]},
+                                ours_prefill=[500.0])
     assert sec["reason"] == reason and sec["goal"] == ">= 1.0x (int4 decode vs Q4_0)"
     assert sec["met"] is None                                     # not measured is null, never False
     assert sec["llamacpp_decode_tok_s"] is None and sec["pdchat_int4_decode_ratio"] is None
@@ -51,19 +51,28 @@ def test_no_peer_file_without_a_gguf(monkeypatch, cache):
         gguf_export.peer_gguf(odd, threads=2, say=lambda m: None)
 
 
-def test_section_ratios():
+def test_section_ratios_pair_the_rounds():
+    """Each ratio is the median of the rounds' own ratios: the machine's pace may drift between
+    rounds, and each round's runs are seconds apart."""
     peer = types.SimpleNamespace(gguf=Path("m.gguf"), threads=2, version="0.3", gguf_type="MOSTLY_Q4_0")
     Rate = llamacpp_peer.Rate
     sec = llamacpp_peer.section(peer, None, [Rate(30.0, 2.0), Rate(10.0, 1.9), Rate(20.0, 1.95)],
                                 [Rate(100.0, 2.0), Rate(300.0, 2.0), Rate(200.0, 2.0)],
-                                ours_decode={"float32": 10.0, "int8": 15.0, "int4": 25.0}, prefill_tok_s=100.0)
+                                ours_decode={"float32": [15.0, 5.0, 10.0], "int8": [22.5, 7.5, 15.0],
+                                             "int4": [36.0, 13.0, 24.0]},
+                                ours_prefill=[50.0, 150.0, 100.0])
     assert sec["llamacpp_decode_tok_s"] == 20.0 and sec["llamacpp_prefill_tok_s"] == 200.0   # medians
     assert sec["llamacpp_decode_cores_busy"] == 1.95
-    assert sec["pdchat_int4_decode_ratio"] == 1.25 and sec["pdchat_float32_decode_ratio"] == 0.5
-    assert sec["pdchat_int8_decode_ratio"] == 0.75 and sec["pdchat_prefill_ratio"] == 0.5
+    assert sec["pdchat_float32_decode_ratio"] == 0.5 and sec["pdchat_int8_decode_ratio"] == 0.75
+    assert sec["pdchat_int4_decode_ratio"] == 1.2 and sec["pdchat_prefill_ratio"] == 0.5     # 1.2, 1.3, 1.2
     assert sec["met"] is True and sec["reason"] is None
+    # A ratio of medians would say 24 / 20 = 1.2 here too, but with rounds that drift apart:
+    # round 1 fast for both, round 3 slow for both; ours is 0.9x in every round.
+    drift = llamacpp_peer.section(peer, None, [Rate(40.0, 2.0), Rate(30.0, 2.0), Rate(10.0, 2.0)], [Rate(1.0, 2.0)],
+                                  ours_decode={"int4": [36.0, 27.0, 9.0]}, ours_prefill=[1.0])
+    assert drift["pdchat_int4_decode_ratio"] == pytest.approx(0.9) and drift["met"] is False
     slow = llamacpp_peer.section(peer, None, [Rate(30.0, 2.0)], [Rate(100.0, 2.0)],
-                                 ours_decode={"int8": 40.0, "int4": 29.0}, prefill_tok_s=1.0)
+                                 ours_decode={"int8": [40.0], "int4": [29.0]}, ours_prefill=[1.0])
     assert slow["met"] is False                                   # the goal is int4's, not int8's
 
 
@@ -71,7 +80,7 @@ def test_no_verdict_when_llama_cpp_was_starved_of_cpu():
     peer = types.SimpleNamespace(gguf=Path("m.gguf"), threads=2, version="0.3", gguf_type="MOSTLY_Q4_1")
     Rate = llamacpp_peer.Rate
     sec = llamacpp_peer.section(peer, None, [Rate(8.0, 1.1), Rate(9.0, 1.2), Rate(90.0, 2.0)], [Rate(100.0, 2.0)],
-                                ours_decode={"int4": 43.0}, prefill_tok_s=400.0)
+                                ours_decode={"int4": [43.0, 43.0, 43.0]}, ours_prefill=[400.0])
     assert sec["llamacpp_decode_tok_s"] == 9.0 and sec["pdchat_int4_decode_ratio"] > 1   # reported as measured
     assert sec["met"] is None and "1.20 of its 2" in sec["reason"]                       # but no verdict
 
