@@ -500,6 +500,10 @@ static void quantize_q4_blocks(const float *x, int M, int K, int8_t *q, float *x
  * dot product for the offset term) cost as much as the products. Called with R constant, the
  * row loops unroll into registers. */
 #define Q4_TILE 4
+/* The paths with a decode kernel (dot_q4_decode) take this many weight rows at a time. */
+#if PDCHAT_INT8_PATH == PD_INT8_AVX512VNNI || PDCHAT_INT8_PATH == PD_INT8_AVXVNNI || PDCHAT_INT8_PATH == PD_INT8_AVX2
+#define Q4_DECODE_ROWS 4
+#endif
 /* Inlined into each call with a constant R: a call per weight row (the compiler's choice at R = 1)
  * cost a seventh of a decode step in spills and the return through memory. */
 #define ALWAYS_INLINE inline __attribute__((always_inline))
@@ -513,12 +517,34 @@ static inline __m128 q4_params4(const uint16_t *pr) {            /* two groups *
 }
 #endif
 #if PDCHAT_INT8_PATH == PD_INT8_AVX512VNNI
+/* a product's lanes 4g..4g+3 hold group g of a block of four: its d and m are params 2g and 2g+1 */
+#define Q4_BY_D _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0)
+#define Q4_BY_M _mm512_set_epi32(7, 7, 7, 7, 5, 5, 5, 5, 3, 3, 3, 3, 1, 1, 1, 1)
+
+/* The two groups left after the blocks of four (ng is even) as 64 bytes in order, one per lane */
+static ALWAYS_INLINE __m512i q4_tail_weights(const uint8_t *wg) {
+    const __m256i nib = _mm256_set1_epi8(0x0f);
+    __m256i p = _mm256_loadu_si256((const __m256i *)wg);
+    __m256i lo = _mm256_and_si256(p, nib), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), nib);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
+                              _mm256_permute2x128_si256(lo, hi, 0x31), 1);
+}
+
+/* Those two groups (u, their params pg) against one activation row's (xg, its scales s0 and s1,
+ * offset factors z0 and z1): the products into f, the offset term returned. */
+static ALWAYS_INLINE float q4_tail_row(__m512i u, const uint16_t *pg, const int8_t *xg, float s0, float s1,
+                                       float z0, float z1, __m512 *f) {
+    __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(xg));
+    /* insertf64x4, not insertf32x8: the latter is AVX-512 DQ, which this path does not require */
+    __m512 s = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(bf16_to_f32(pg[0]) * s0)),
+                                                   _mm256_castps_pd(_mm256_set1_ps(bf16_to_f32(pg[2]) * s1)), 1));
+    *f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, *f);
+    return (bf16_to_f32(pg[1]) * z0 + bf16_to_f32(pg[3]) * z1) * (float)Q4_XS_LANES;
+}
+
 static ALWAYS_INLINE void dot_q4_rows(const uint8_t *wr, const uint16_t *pr, const int8_t *x, const float *xs,
-                               const float *xz, int ng, int K, int R, float *out) {
+                                      const float *xz, int ng, int K, int R, float *out) {
     const __m512i nibble = _mm512_set1_epi8(0x0f);
-    /* a product's lanes 4g..4g+3 hold group g of the block: its d and m are params 2g and 2g+1 */
-    const __m512i by_d = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
-    const __m512i by_m = _mm512_set_epi32(7, 7, 7, 7, 5, 5, 5, 5, 3, 3, 3, 3, 1, 1, 1, 1);
     __m512 f[Q4_TILE];
     float tail[Q4_TILE];
     for (int r = 0; r < R; r++) {
@@ -530,7 +556,7 @@ static ALWAYS_INLINE void dot_q4_rows(const uint8_t *wr, const uint16_t *pr, con
         __m512i p = _mm512_loadu_si512(wr + g * Q4_GROUP_BYTES);
         __m512i lo = _mm512_and_si512(p, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), nibble);
         __m512 dm = _mm512_castps256_ps512(q4_params8(pr + 2 * g));
-        __m512 d = _mm512_permutexvar_ps(by_d, dm), m = _mm512_permutexvar_ps(by_m, dm);
+        __m512 d = _mm512_permutexvar_ps(Q4_BY_D, dm), m = _mm512_permutexvar_ps(Q4_BY_M, dm);
         for (int r = 0; r < R; r++) {
             const int8_t *xb = x + (int64_t)r * K + g * Q4_GROUP;
             __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xb)),
@@ -539,33 +565,69 @@ static ALWAYS_INLINE void dot_q4_rows(const uint8_t *wr, const uint16_t *pr, con
             f[r] = _mm512_fmadd_ps(m, _mm512_loadu_ps(xz + Q4_XS(r, g)), f[r]);
         }
     }
-    if (g < ng) {                                /* two groups left (ng is even), in order */
-        const __m256i nib = _mm256_set1_epi8(0x0f);
-        __m256i p = _mm256_loadu_si256((const __m256i *)(wr + g * Q4_GROUP_BYTES));
-        __m256i lo = _mm256_and_si256(p, nib), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), nib);
-        __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(lo, hi, 0x20)),
-                                       _mm256_permute2x128_si256(lo, hi, 0x31), 1);
-        float d0 = bf16_to_f32(pr[2 * g]), m0 = bf16_to_f32(pr[2 * g + 1]);
-        float d1 = bf16_to_f32(pr[2 * g + 2]), m1 = bf16_to_f32(pr[2 * g + 3]);
-        for (int r = 0; r < R; r++) {
-            float s0 = xs[Q4_XS(r, g)], s1 = xs[Q4_XS(r, g + 1)];
-            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u,
-                                              _mm512_loadu_si512(x + (int64_t)r * K + g * Q4_GROUP));
-            /* insertf64x4, not insertf32x8: the latter is AVX-512 DQ, which this path does not require */
-            __m512 s = _mm512_castpd_ps(_mm512_insertf64x4(
-                _mm512_castps_pd(_mm512_set1_ps(d0 * s0)), _mm256_castps_pd(_mm256_set1_ps(d1 * s1)), 1));
-            f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, f[r]);
-            tail[r] = (m0 * xz[Q4_XS(r, g)] + m1 * xz[Q4_XS(r, g + 1)]) * (float)Q4_XS_LANES;
-        }
+    if (g < ng) {
+        __m512i u = q4_tail_weights(wr + g * Q4_GROUP_BYTES);
+        for (int r = 0; r < R; r++)
+            tail[r] = q4_tail_row(u, pr + 2 * g, x + (int64_t)r * K + g * Q4_GROUP, xs[Q4_XS(r, g)],
+                                  xs[Q4_XS(r, g + 1)], xz[Q4_XS(r, g)], xz[Q4_XS(r, g + 1)], &f[r]);
     }
     for (int r = 0; r < R; r++)
         out[r] = _mm512_reduce_add_ps(f[r]) + tail[r];
 }
+
+/* A decode's one activation row against W <= Q4_DECODE_ROWS weight rows at once (wr and pr: the
+ * first row's; the others wstride bytes and pstride params further): the activations and their
+ * scales are loaded once for all W, and the rows' chains of multiply-adds overlap. */
+static ALWAYS_INLINE void dot_q4_decode(const uint8_t *wr, const uint16_t *pr, int64_t wstride, int64_t pstride,
+                                        const int8_t *x, const float *xs, const float *xz, int ng, int W,
+                                        float *out) {
+    const __m512i nibble = _mm512_set1_epi8(0x0f);
+    __m512 f[Q4_DECODE_ROWS];
+    float tail[Q4_DECODE_ROWS];
+    for (int w = 0; w < W; w++) {
+        f[w] = _mm512_setzero_ps();
+        tail[w] = 0.f;
+    }
+    int g = 0;
+    for (; g + Q4_SPLIT <= ng; g += Q4_SPLIT) {
+        __m512i xl = _mm512_loadu_si512(x + g * Q4_GROUP), xh = _mm512_loadu_si512(x + g * Q4_GROUP + 4 * Q4_GROUP_BYTES);
+        __m512 s = _mm512_loadu_ps(xs + Q4_XS(0, g)), z = _mm512_loadu_ps(xz + Q4_XS(0, g));
+        for (int w = 0; w < W; w++) {
+            __m512i p = _mm512_loadu_si512(wr + w * wstride + g * Q4_GROUP_BYTES);
+            __m512i lo = _mm512_and_si512(p, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), nibble);
+            __m512 dm = _mm512_castps256_ps512(q4_params8(pr + w * pstride + 2 * g));
+            __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl), hi, xh);
+            f[w] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(_mm512_permutexvar_ps(Q4_BY_D, dm), s), f[w]);
+            f[w] = _mm512_fmadd_ps(_mm512_permutexvar_ps(Q4_BY_M, dm), z, f[w]);
+        }
+    }
+    if (g < ng)
+        for (int w = 0; w < W; w++)
+            tail[w] = q4_tail_row(q4_tail_weights(wr + w * wstride + g * Q4_GROUP_BYTES), pr + w * pstride + 2 * g,
+                                  x + g * Q4_GROUP, xs[Q4_XS(0, g)], xs[Q4_XS(0, g + 1)], xz[Q4_XS(0, g)],
+                                  xz[Q4_XS(0, g + 1)], &f[w]);
+    for (int w = 0; w < W; w++)
+        out[w] = _mm512_reduce_add_ps(f[w]) + tail[w];
+}
 #elif PDCHAT_INT8_PATH == PD_INT8_AVXVNNI || PDCHAT_INT8_PATH == PD_INT8_AVX2
+/* lanes 4g..4g+3 hold group g of a block of two: its d and m are params 2g and 2g+1 */
+#define Q4_BY_D _mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0)
+#define Q4_BY_M _mm256_set_epi32(3, 3, 3, 3, 1, 1, 1, 1)
+
+/* <u, x> of two groups: low nibbles (first halves) with xlo, high ones with xhi, in eight lanes */
+static ALWAYS_INLINE __m256i q4_dot2(__m256i lo, __m256i hi, __m256i xlo, __m256i xhi) {
+#if PDCHAT_INT8_PATH == PD_INT8_AVXVNNI
+    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo, xlo), hi, xhi);
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, xlo), ones),
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xhi), ones));
+#endif
+}
+
 static ALWAYS_INLINE void dot_q4_rows(const uint8_t *wr, const uint16_t *pr, const int8_t *x, const float *xs,
-                               const float *xz, int ng, int K, int R, float *out) {
+                                      const float *xz, int ng, int K, int R, float *out) {
     const __m256i nibble = _mm256_set1_epi8(0x0f);
-    const __m256i by_d = _mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0), by_m = _mm256_set_epi32(3, 3, 3, 3, 1, 1, 1, 1);
     __m256 f[Q4_TILE];
     for (int r = 0; r < R; r++)
         f[r] = _mm256_setzero_ps();
@@ -573,23 +635,42 @@ static ALWAYS_INLINE void dot_q4_rows(const uint8_t *wr, const uint16_t *pr, con
         __m256i p = _mm256_loadu_si256((const __m256i *)(wr + g * Q4_GROUP_BYTES));
         __m256i lo = _mm256_and_si256(p, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), nibble);
         __m256 dm = _mm256_castps128_ps256(q4_params4(pr + 2 * g));
-        __m256 d = _mm256_permutevar8x32_ps(dm, by_d), m = _mm256_permutevar8x32_ps(dm, by_m);
+        __m256 d = _mm256_permutevar8x32_ps(dm, Q4_BY_D), m = _mm256_permutevar8x32_ps(dm, Q4_BY_M);
         for (int r = 0; r < R; r++) {
             const int8_t *xb = x + (int64_t)r * K + g * Q4_GROUP;
-            __m256i xlo = _mm256_loadu_si256((const __m256i *)xb), xhi = _mm256_loadu_si256((const __m256i *)(xb + 32));
-#if PDCHAT_INT8_PATH == PD_INT8_AVXVNNI
-            __m256i dot = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo, xlo), hi, xhi);
-#else
-            const __m256i ones = _mm256_set1_epi16(1);
-            __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, xlo), ones),
-                                           _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xhi), ones));
-#endif
+            __m256i dot = q4_dot2(lo, hi, _mm256_loadu_si256((const __m256i *)xb),
+                                  _mm256_loadu_si256((const __m256i *)(xb + 32)));
             f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_loadu_ps(xs + Q4_XS(r, g))), f[r]);
             f[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xz + Q4_XS(r, g)), f[r]);
         }
     }
     for (int r = 0; r < R; r++)
         out[r] = sum8(f[r]);
+}
+
+/* As the AVX-512 path's: one activation row against W weight rows, sharing its loads. */
+static ALWAYS_INLINE void dot_q4_decode(const uint8_t *wr, const uint16_t *pr, int64_t wstride, int64_t pstride,
+                                        const int8_t *x, const float *xs, const float *xz, int ng, int W,
+                                        float *out) {
+    const __m256i nibble = _mm256_set1_epi8(0x0f);
+    __m256 f[Q4_DECODE_ROWS];
+    for (int w = 0; w < W; w++)
+        f[w] = _mm256_setzero_ps();
+    for (int g = 0; g < ng; g += Q4_SPLIT) {
+        __m256i xlo = _mm256_loadu_si256((const __m256i *)(x + g * Q4_GROUP));
+        __m256i xhi = _mm256_loadu_si256((const __m256i *)(x + g * Q4_GROUP + 32));
+        __m256 s = _mm256_loadu_ps(xs + Q4_XS(0, g)), z = _mm256_loadu_ps(xz + Q4_XS(0, g));
+        for (int w = 0; w < W; w++) {
+            __m256i p = _mm256_loadu_si256((const __m256i *)(wr + w * wstride + g * Q4_GROUP_BYTES));
+            __m256i lo = _mm256_and_si256(p, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), nibble);
+            __m256 dm = _mm256_castps128_ps256(q4_params4(pr + w * pstride + 2 * g));
+            __m256i dot = q4_dot2(lo, hi, xlo, xhi);
+            f[w] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(_mm256_permutevar8x32_ps(dm, Q4_BY_D), s), f[w]);
+            f[w] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(dm, Q4_BY_M), z, f[w]);
+        }
+    }
+    for (int w = 0; w < W; w++)
+        out[w] = sum8(f[w]);
 }
 #elif PDCHAT_INT8_PATH == PD_INT8_NEON_DOT
 static ALWAYS_INLINE void dot_q4_rows(const uint8_t *wr, const uint16_t *pr, const int8_t *x, const float *xs,
@@ -644,8 +725,34 @@ struct q4_job {
     int M, N, K;
 };
 
+#ifdef Q4_DECODE_ROWS
+/* A decode (one activation row): Q4_DECODE_ROWS weight rows at a time. */
+static void q4_decode_rows(const struct q4_job *j, int lo, int hi) {
+    int ng = j->K / Q4_GROUP;
+    int64_t wstride = j->K / 2, pstride = 2 * ng;
+    for (int n = lo; n < hi; n += Q4_DECODE_ROWS) {
+        int W = hi - n < Q4_DECODE_ROWS ? hi - n : Q4_DECODE_ROWS;
+        float out[Q4_DECODE_ROWS];
+        const uint8_t *wr = j->w + n * wstride;
+        const uint16_t *pr = j->params + n * pstride;
+        if (W == Q4_DECODE_ROWS)
+            dot_q4_decode(wr, pr, wstride, pstride, j->x, j->xs, j->xz, ng, Q4_DECODE_ROWS, out);
+        else
+            dot_q4_decode(wr, pr, wstride, pstride, j->x, j->xs, j->xz, ng, W, out);
+        for (int w = 0; w < W; w++)
+            j->y[n + w] = out[w] + (j->bias ? j->bias[n + w] : 0.f);
+    }
+}
+#endif
+
 static void q4_rows(const void *p, int lo, int hi) {
     const struct q4_job *j = p;
+#ifdef Q4_DECODE_ROWS
+    if (j->M == 1) {
+        q4_decode_rows(j, lo, hi);
+        return;
+    }
+#endif
     int ng = j->K / Q4_GROUP;
     for (int n = lo; n < hi; n++) {
         const uint8_t *wr = j->w + (int64_t)n * (j->K / 2);
@@ -655,7 +762,8 @@ static void q4_rows(const void *p, int lo, int hi) {
             int R = j->M - m < Q4_TILE ? j->M - m : Q4_TILE;
             const int8_t *x = j->x + (int64_t)m * j->K;
             const float *xs = j->xs + Q4_XS(m, 0), *xz = j->xz + Q4_XS(m, 0);
-            /* constants let the compiler keep the tile in registers (1: every decode) */
+            /* constants let the compiler keep the tile in registers (1: a decode where there is
+             * no dot_q4_decode, and ragged ends) */
             if (R == Q4_TILE)
                 dot_q4_rows(wr, pr, x, xs, xz, ng, j->K, Q4_TILE, out);
             else if (R == 1)

@@ -126,6 +126,19 @@ def test_int4_product_is_exact_integer_arithmetic(ops, rows):
     assert (got - exact).abs().max() < 2e-2 * exact.abs().max()
 
 
+@pytest.mark.parametrize("out_rows", [1, 3, 83])
+def test_int4_decode_of_any_number_of_weight_rows(ops, out_rows):
+    """A decode takes weight rows four at a time where the path has a decode kernel: counts that
+    are not a multiple of four (the last rows of the matrix, of a thread's share) and widths with
+    two groups past the last block of four (320 = 10 groups) give each row its own product."""
+    w = rand(out_rows, 320, seed=13) * torch.linspace(0.1, 4, out_rows)[:, None]
+    packed, params = quantize4(w)
+    x, bias = rand(1, 320, seed=14), rand(out_rows, seed=15)
+    want = int4_product_in_integers(x, packed, params) + bias.double()
+    got = ops.linear_int4(x, packed, params, bias)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4 * want.abs().max().item())
+
+
 def test_int4_product_at_the_extremes_is_exact(ops):
     """Weights at 0 and 15 only and activations at +-127 of their block: maddubs pairs reach
     2 * 15 * 127, the integer sums stay exact, and so does the result."""
