@@ -388,12 +388,17 @@ struct u8_job {
     int M, N, K;
 };
 
+/* Each row prefetches the row U8_AHEAD further (the LM head of a decode: 0.66 -> 0.57 ms for the
+ * default model's, 14.1 -> 12.0 for the 1B shape's 128K rows; a row's lines are few). */
+#define U8_AHEAD 4
 static void u8_rows(const void *p, int lo, int hi) {
     const struct u8_job *j = p;
     int nb = j->K / QBLOCK;
     for (int n = lo; n < hi; n++) {
         const uint8_t *wr = j->w + (int64_t)n * j->K;
         float b = j->bias ? j->bias[n] : 0.f;
+        if (n + U8_AHEAD < j->N)
+            for (int k = 0; k < j->K; k += 64) __builtin_prefetch(wr + (int64_t)U8_AHEAD * j->K + k, 0, 3);
         for (int m = 0; m < j->M; m++) {
             int64_t at = (int64_t)m * j->K;
             float acc = dot_u8_blocks(wr, j->hi + at, j->lo + at, j->xs + m * nb, nb);
@@ -577,10 +582,13 @@ static ALWAYS_INLINE void dot_q4_rows(const uint8_t *wr, const uint16_t *pr, con
 
 /* A decode's one activation row against W <= Q4_DECODE_ROWS weight rows at once (wr and pr: the
  * first row's; the others wstride bytes and pstride params further): the activations and their
- * scales are loaded once for all W, and the rows' chains of multiply-adds overlap. */
+ * scales are loaded once for all W, and the rows' chains of multiply-adds overlap. Each load
+ * prefetches the same bytes of the rows at `ahead` (the next four, wstride apart): reading four
+ * rows side by side, the hardware's prefetcher did not keep up (a 16384 x 2048 matrix streamed at
+ * 15.5 GB/s against 18.9 one row at a time; with the prefetch, 48.7). */
 static ALWAYS_INLINE void dot_q4_decode(const uint8_t *wr, const uint16_t *pr, int64_t wstride, int64_t pstride,
-                                        const int8_t *x, const float *xs, const float *xz, int ng, int W,
-                                        float *out) {
+                                        const uint8_t *ahead, const int8_t *x, const float *xs, const float *xz,
+                                        int ng, int W, float *out) {
     const __m512i nibble = _mm512_set1_epi8(0x0f);
     __m512 f[Q4_DECODE_ROWS];
     float tail[Q4_DECODE_ROWS];
@@ -593,6 +601,7 @@ static ALWAYS_INLINE void dot_q4_decode(const uint8_t *wr, const uint16_t *pr, i
         __m512i xl = _mm512_loadu_si512(x + g * Q4_GROUP), xh = _mm512_loadu_si512(x + g * Q4_GROUP + 4 * Q4_GROUP_BYTES);
         __m512 s = _mm512_loadu_ps(xs + Q4_XS(0, g)), z = _mm512_loadu_ps(xz + Q4_XS(0, g));
         for (int w = 0; w < W; w++) {
+            __builtin_prefetch(ahead + w * wstride + g * Q4_GROUP_BYTES, 0, 3);
             __m512i p = _mm512_loadu_si512(wr + w * wstride + g * Q4_GROUP_BYTES);
             __m512i lo = _mm512_and_si512(p, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), nibble);
             __m512 dm = _mm512_castps256_ps512(q4_params8(pr + w * pstride + 2 * g));
@@ -650,8 +659,8 @@ static ALWAYS_INLINE void dot_q4_rows(const uint8_t *wr, const uint16_t *pr, con
 
 /* As the AVX-512 path's: one activation row against W weight rows, sharing its loads. */
 static ALWAYS_INLINE void dot_q4_decode(const uint8_t *wr, const uint16_t *pr, int64_t wstride, int64_t pstride,
-                                        const int8_t *x, const float *xs, const float *xz, int ng, int W,
-                                        float *out) {
+                                        const uint8_t *ahead, const int8_t *x, const float *xs, const float *xz,
+                                        int ng, int W, float *out) {
     const __m256i nibble = _mm256_set1_epi8(0x0f);
     __m256 f[Q4_DECODE_ROWS];
     for (int w = 0; w < W; w++)
@@ -661,6 +670,7 @@ static ALWAYS_INLINE void dot_q4_decode(const uint8_t *wr, const uint16_t *pr, i
         __m256i xhi = _mm256_loadu_si256((const __m256i *)(x + g * Q4_GROUP + 32));
         __m256 s = _mm256_loadu_ps(xs + Q4_XS(0, g)), z = _mm256_loadu_ps(xz + Q4_XS(0, g));
         for (int w = 0; w < W; w++) {
+            __builtin_prefetch(ahead + w * wstride + g * Q4_GROUP_BYTES, 0, 3);
             __m256i p = _mm256_loadu_si256((const __m256i *)(wr + w * wstride + g * Q4_GROUP_BYTES));
             __m256i lo = _mm256_and_si256(p, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), nibble);
             __m256 dm = _mm256_castps128_ps256(q4_params4(pr + w * pstride + 2 * g));
@@ -735,10 +745,13 @@ static void q4_decode_rows(const struct q4_job *j, int lo, int hi) {
         float out[Q4_DECODE_ROWS];
         const uint8_t *wr = j->w + n * wstride;
         const uint16_t *pr = j->params + n * pstride;
+        /* the next four rows where the matrix has them (else these again: a pointer past the end
+         * of the matrix would be undefined, even unread) */
+        const uint8_t *ahead = n + 2 * Q4_DECODE_ROWS <= j->N ? wr + Q4_DECODE_ROWS * wstride : wr;
         if (W == Q4_DECODE_ROWS)
-            dot_q4_decode(wr, pr, wstride, pstride, j->x, j->xs, j->xz, ng, Q4_DECODE_ROWS, out);
+            dot_q4_decode(wr, pr, wstride, pstride, ahead, j->x, j->xs, j->xz, ng, Q4_DECODE_ROWS, out);
         else
-            dot_q4_decode(wr, pr, wstride, pstride, j->x, j->xs, j->xz, ng, W, out);
+            dot_q4_decode(wr, pr, wstride, pstride, ahead, j->x, j->xs, j->xz, ng, W, out);
         for (int w = 0; w < W; w++)
             j->y[n + w] = out[w] + (j->bias ? j->bias[n + w] : 0.f);
     }
