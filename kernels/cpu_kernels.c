@@ -513,7 +513,7 @@ static void quantize_q4_blocks(const float *x, int M, int K, int8_t *q, float *x
  * cost a seventh of a decode step in spills and the return through memory. */
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 #if PDCHAT_INT8_PATH == PD_INT8_AVX512VNNI || PDCHAT_INT8_PATH == PD_INT8_AVXVNNI || PDCHAT_INT8_PATH == PD_INT8_AVX2
-/* n (d, m) pairs of bf16 to floats in order: the bf16 bits are a float's top half. */
+/* Groups' (d, m) pairs, bf16 to floats in order: the bf16 bits are a float's top half. */
 static inline __m256 q4_params8(const uint16_t *pr) {            /* four groups */
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)pr)), 16));
 }
