@@ -29,6 +29,39 @@ import torch
 
 TOKEN_BYTES = 16           # what the worker proves itself with on the socket link
 READY_CONNECT_S = 30       # the worker connected before it said it was ready: far longer than needed
+STAGING_PREFIX = "pdchat-kv-"       # staging files are named pdchat-kv-<engine pid>-<random>
+
+
+def staging_folder() -> Path:
+    return Path("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+
+
+def sweep_stale_staging(folder: Path) -> list[Path]:
+    """Remove the staging files of engines that are gone, and say which. An engine forgets its
+    file's name once the worker is ready; one killed before that (SIGKILL, a test's timeout while
+    the worker loaded) leaves the file in shared memory for good. A PID reused since by another
+    process keeps its file: the sweep errs on the side of leaving one. (An engine in another PID
+    namespace sharing this /dev/shm would look gone; containers do not share it by default.)"""
+    removed = []
+    for path in folder.glob(STAGING_PREFIX + "*"):
+        pid = path.name[len(STAGING_PREFIX):].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            try:
+                path.unlink()
+            except OSError:             # another user's, or already gone
+                continue
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:             # another user's process
+        return True
+    return True
 
 
 def kv_transfer_bytes(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, tokens: int) -> int:
@@ -150,8 +183,9 @@ class KvReceiver:
             self._free = Semaphore(1)              # the receive buffer holds one hand-off
             self.spec = LinkSpec(kind, self._listener.getsockname()[:2], self._token, staging_bytes=staging_bytes)
         else:
-            folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-            self._path = Path(folder) / f"pdchat-kv-{os.getpid()}-{secrets.token_hex(4)}"
+            folder = staging_folder()
+            sweep_stale_staging(folder)
+            self._path = folder / f"{STAGING_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
             self._area = _staging_tensor(str(self._path), staging_bytes)
             self._data, theirs = socket.socketpair()
             self.worker_fd = theirs.detach()

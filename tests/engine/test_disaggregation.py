@@ -15,7 +15,7 @@ import torch
 from pdchat.engine import Engine, SamplingParams, TokenEvent
 from pdchat.engine.disaggregation import worker_process
 from pdchat.engine.disaggregation.cores import CAN_PIN, split_cores
-from pdchat.engine.disaggregation.link import SimulatedLink, kv_transfer_bytes
+from pdchat.engine.disaggregation.link import SimulatedLink, kv_transfer_bytes, sweep_stale_staging
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -89,6 +89,23 @@ def test_delivery_time():
     assert link.delivery_time(10.0, 10**9) == 10.0
     link.gbps, link.latency_ms = 2.0, 10.0
     assert link.delivery_time(10.0, 10**9) == pytest.approx(10.0 + 0.010 + 0.5)
+
+
+def test_staging_files_of_engines_that_are_gone_are_swept(tmp_path):
+    """An engine killed before its worker was ready leaves its staging file in shared memory; the
+    next engine to make one removes those whose process is gone, and no one else's."""
+    import subprocess
+    import sys
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / f"pdchat-kv-{gone.pid}-0a1b2c3d"
+    mine = tmp_path / f"pdchat-kv-{os.getpid()}-4e5f6a7b"
+    other = tmp_path / "pdchat-kv-notapid-00000000"
+    unrelated = tmp_path / f"something-{gone.pid}"
+    for path in (dead, mine, other, unrelated):
+        path.write_bytes(b"\0" * 64)
+    assert sweep_stale_staging(tmp_path) == [dead]
+    assert not dead.exists() and mine.exists() and other.exists() and unrelated.exists()
 
 
 def test_cancel_at_the_worker_leaves_the_others_alone(reference):
