@@ -103,7 +103,8 @@ def _round(engine: Engine, modes: list[str], hf: Any, peer: Any, short: list[int
             samples["peer_decode"].append(peer.decode(short, decode_tokens))
             samples["peer_prefill"].append(peer.prefill(long))
 
-    if modes[0] != "none":
+    int4_first = modes[0] == "int4"
+    if int4_first:
         run_peer()
     for mode in modes:
         engine.update(quant=mode)
@@ -115,7 +116,7 @@ def _round(engine: Engine, modes: list[str], hf: Any, peer: Any, short: list[int
         samples[f"{mode}_prefill"].append(len(long) / (m.ttft_ms / 1000))
         for n in short_prefills(len(long)):
             samples[f"{mode}_prefill_{n}"].append(engine.submit(long[:n], once).result().metrics.ttft_ms)
-    if modes[0] == "none":
+    if not int4_first:
         run_peer()
     t1 = _timed(hf_generate, hf, short, 1)
     tn = _timed(hf_generate, hf, short, decode_tokens + 1)
