@@ -125,9 +125,12 @@ def test_default_model_quality_and_cache(default_engine, mode, max_ppl_ratio, mi
     prompts = ["What is the capital of France?", "Name three colours.", "What is 2 + 2?"]
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     fp_ppl = perplexity()
-    replies = [(default_engine.encode(p), c.token_ids) for p, c in zip(prompts, default_engine.generate(prompts, greedy))]
 
-    def agreement() -> float:
+    def greedy_replies() -> list[tuple[list[int], list[int]]]:
+        return [(default_engine.encode(p), c.token_ids) for p, c in zip(prompts, default_engine.generate(prompts, greedy))]
+
+    def agreement(replies: list[tuple[list[int], list[int]]]) -> float:
+        """How often the model, reading each prompt and reply, predicts the reply's next token."""
         agree = 0
         for prompt_ids, reply in replies:
             logits = default_engine.prompt_logits(prompt_ids + reply)
@@ -135,11 +138,15 @@ def test_default_model_quality_and_cache(default_engine, mode, max_ppl_ratio, mi
             agree += (predicted == torch.tensor(reply)).sum().item()
         return agree / sum(len(r) for _, r in replies)
 
-    assert agreement() == 1.0              # fp32 predicts its own greedy replies
+    fp_replies = greedy_replies()
+    assert agreement(fp_replies) == 1.0              # fp32 predicts its own greedy replies
     default_engine.update(quant=mode)
     try:
         q_ppl = perplexity()
-        q_agree = agreement()
+        q_agree = agreement(fp_replies)
+        # The decode step's kernels (one row at a time) against the prompt's (rows in tiles): the
+        # quantized model's own greedy replies, read back, are what it predicts.
+        self_agree = agreement(greedy_replies())
         cache = quant.cache_file(default_engine.files, mode)
         assert cache is not None and cache.is_file()
         default_engine.update(quant="none")
@@ -149,3 +156,4 @@ def test_default_model_quality_and_cache(default_engine, mode, max_ppl_ratio, mi
         default_engine.update(quant="none")
     assert q_ppl < fp_ppl * max_ppl_ratio, (fp_ppl, q_ppl)
     assert q_agree >= min_agree, q_agree
+    assert self_agree >= 0.95, self_agree
