@@ -33,7 +33,8 @@ CODE_FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno")
 FLAGS = (*CODE_FLAGS, "-march=native", "-shared", "-fPIC")      # the library for this machine
 # Above this BLAS's matrix-matrix products win (measured, README), for fp32 and, on weights
 # unpacked slice by slice, for int8 and int4 too (int4's integer kernel up to 96 rows made
-# prompts of 48-96 tokens 0.64-0.87x as fast as fp32 on the default model, 2026-11-26).
+# prompts of 48-96 tokens 0.64-0.87x as fast as fp32 on the default model, 2026-11-26), except
+# where the build's integer kernels say they go further (pd_quant_max_rows: AVX-512 VNNI's).
 LINEAR_MAX_ROWS = 40
 UNPACK_FLOATS = 1 << 22    # quantized weights unpacked for BLAS this many at a time (16 MB, one buffer)
 QBLOCK = 64                # activation quantization block of the int8 product (cpu_kernels.c)
@@ -156,6 +157,7 @@ _SIGNATURES = {
     "pd_linear_q4": ([_P, _P, _P, _P, _P, _I, _I, _I, _I], _I),
     "pd_unpack_q4": ([_P, _P, _P, _I, _I, _I], None),
     "pd_unpack_u8": ([_P, _P, _P, _I, _I, _I], None),
+    "pd_quant_max_rows": ([_I], _I),
     "pd_rms_norm": ([_P, _P, _P, _I, _I, _F, _I], None),
     "pd_add_rms_norm": ([_P, _P, _P, _P, _I, _I, _F, _I], None),
     "pd_rope": ([_P, _L, _I, _P, _L, _I, _P, _P, _I, _I, _I], None),
@@ -166,6 +168,7 @@ _SIGNATURES = {
     "pd_pool_spin": ([_I], None),
     "pd_layers": ([_P, _F, _P, _P, _P, _P, _P, _P, _P, _P, _L, _P, _I, _P, _P, _I, _I, _F, _I, _I], _I),
 }
+WEIGHTS_INT8, WEIGHTS_INT4 = 1, 2   # how C names a weight format (PD_WEIGHTS_* in cpu_kernels.c)
 PTRS_PER_LAYER = 16        # pd_layers: qkv (weight, scales, bias), q/k norm, o (3), norm, gate_up (3), down (3), norm
 
 
@@ -264,6 +267,9 @@ class CpuKernels:
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
         self.sliced = SlicedBlas()                  # quantized products of long prefills
+        # rows up to which the C int8 / int4 products beat BLAS on unpacked weights
+        self.int8_max_rows = max(LINEAR_MAX_ROWS, lib.pd_quant_max_rows(WEIGHTS_INT8))
+        self.int4_max_rows = max(LINEAR_MAX_ROWS, lib.pd_quant_max_rows(WEIGHTS_INT4))
         self._split: tuple[torch.Tensor, list[KernelShare]] | None = None   # this forward's (paged_attention)
 
     # -- helpers -------------------------------------------------------------------------------
@@ -306,7 +312,7 @@ class CpuKernels:
                     bias: torch.Tensor | None = None) -> torch.Tensor:
         if packed.dtype != torch.uint8 or not self._ok(x, bias):
             return reference.linear_int8(x, packed, scales, bias)
-        if x.shape[0] > LINEAR_MAX_ROWS:
+        if x.shape[0] > self.int8_max_rows:
             # A long prefill is compute-bound: BLAS beats the integer kernel there (measured, README),
             # on weights unpacked in C on the pool (torch's element-wise passes cost a sixth of it).
             def unpack(n0: int, n1: int, out: torch.Tensor) -> None:
@@ -327,7 +333,7 @@ class CpuKernels:
         if not self._ok(x, bias) or packed.device.type != "cpu" or params.dtype != torch.bfloat16:
             return reference.linear_int4(x, packed, params, bias)
         N, K = packed.shape[0], packed.shape[1] * 2
-        if x.shape[0] > LINEAR_MAX_ROWS:
+        if x.shape[0] > self.int4_max_rows:
             # As for int8, unpacked in C on the pool (torch's element-wise unpacking took longer
             # than the product).
             def unpack(n0: int, n1: int, out: torch.Tensor) -> None:
@@ -394,7 +400,7 @@ class CpuKernels:
         # int4 (bf16 params per group, 3-D); a linear without scales is fp32 whatever the others are.
         linears = (first.qkv, first.o, first.gate_up, first.down)
         int4 = [w[1] is not None and w[1].dim() == 3 for w in linears]
-        fmt = 2 if any(int4) else 1 if any(w[1] is not None for w in linears) else 0
+        fmt = WEIGHTS_INT4 if any(int4) else WEIGHTS_INT8 if any(w[1] is not None for w in linears) else 0
         inter = first.down[0].shape[1] * (2 if int4[3] else 1)
         dims = (len(layers), first.norm_mlp.shape[0], num_heads, num_kv_heads, head_dim, inter, fmt)
         tensors: list[torch.Tensor] = []

@@ -34,7 +34,9 @@ def test_linear_beyond_small_batches_is_blas(ops):
     assert torch.equal(ops.linear(x, w), reference.linear(x, w))
 
 
-@pytest.mark.parametrize("rows", [1, 5, cpu.LINEAR_MAX_ROWS + 5])     # the last: dequantized BLAS
+# 1 and 5: dot-product kernels; 16 and 33: the outer-product one on AVX-512 VNNI; 45: that one
+# there, unpacked weights and BLAS elsewhere; 300: BLAS everywhere.
+@pytest.mark.parametrize("rows", [1, 5, 16, 33, cpu.LINEAR_MAX_ROWS + 5, 300])
 def test_int8_product_is_as_exact_as_fp32_activations(ops, rows):
     w = rand(96, 256, seed=3) * torch.linspace(0.1, 4, 96)[:, None]
     q, scales = quantize(w)
@@ -111,7 +113,8 @@ def test_int4_round_trip_is_within_half_a_step_of_each_group():
     assert torch.equal(reference.pack_int4(u), packed) and u.max() == 15 and u.min() == 0
 
 
-@pytest.mark.parametrize("rows", [1, 4, 5, 7, cpu.LINEAR_MAX_ROWS])     # whole tiles of 4 rows and ragged ends
+# whole tiles of 4 rows and ragged ends; from 8 rows the outer-product kernel on AVX-512 VNNI
+@pytest.mark.parametrize("rows", [1, 4, 5, 7, 8, 17, 33, cpu.LINEAR_MAX_ROWS])
 def test_int4_product_is_exact_integer_arithmetic(ops, rows):
     w = rand(80, 320, seed=3) * torch.linspace(0.1, 4, 80)[:, None]
     packed, params = quantize4(w)
@@ -164,20 +167,48 @@ def test_int4_rows_of_any_width_are_computed(ops):
                                atol=1e-4 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("rows,width", [(8, 320), (17, 320), (cpu.LINEAR_MAX_ROWS, 320), (cpu.LINEAR_MAX_ROWS, 16384)])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_prefill_slice_gets_the_numbers_of_its_rows_one_by_one(ops, fmt, rows, width):
+    """Up to 40 rows every build multiplies quantized weights in integers, by whichever kernel
+    suits the row count (AVX-512 VNNI: an outer-product one from 8 rows, which at 16,384 wide
+    takes the rows in two panels): the same quantized activations and exact integer sums as a
+    decode's, so a prompt slice and the same tokens decoded one at a time agree to float rounding."""
+    w = rand(37, width, seed=21) * torch.linspace(0.1, 2, 37)[:, None] * 0.05    # 37: a ragged tile
+    x, bias = rand(rows, width, seed=22), rand(37, seed=23)
+    x[:, 5] *= 40
+    if fmt == "int8":
+        packed, scales = ops.pack_int8(*quantize(w), torch.float32)
+        product = lambda v: ops.linear_int8(v, packed, scales, bias)     # noqa: E731
+    else:
+        packed, scales = quantize4(w)
+        product = lambda v: ops.linear_int4(v, packed, scales, bias)     # noqa: E731
+    together = product(x)
+    one_by_one = torch.cat([product(x[i:i + 1]) for i in range(rows)])
+    assert (together - one_by_one).abs().max() < 2e-6 * one_by_one.abs().max()
+
+
 @pytest.mark.parametrize("slice_rows", [None, 7])          # None: one slice; 7: eleven and a ragged end
-def test_prefill_sized_quantized_products_unpack_to_blas_slice_by_slice(ops, slice_rows, monkeypatch):
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_prefill_sized_quantized_products_unpack_to_blas_slice_by_slice(ops, fmt, slice_rows, monkeypatch):
+    limit = ops.int8_max_rows if fmt == "int8" else ops.int4_max_rows
+    if limit >= 1 << 20:
+        pytest.skip(f"this build multiplies {fmt} weights in integers at every row count (pd_quant_max_rows)")
     if slice_rows is not None:
         monkeypatch.setattr(cpu, "UNPACK_FLOATS", 192 * slice_rows)
     w, bias = rand(80, 192, seed=6), rand(80, seed=8)
-    x = rand(cpu.LINEAR_MAX_ROWS + 3, 192, seed=7)
-    packed, params = quantize4(w)
-    for _ in range(2):                                        # the second call reuses the buffer
-        torch.testing.assert_close(ops.linear_int4(x, packed, params, bias),
-                                   reference.linear_int4(x, packed, params, bias), rtol=1e-5, atol=1e-5)
-    q, scales = quantize(w)
-    q8, s8 = ops.pack_int8(q, scales, torch.float32)
-    torch.testing.assert_close(ops.linear_int8(x, q8, s8, bias), x @ (q.float() * scales[:, None]).T + bias,
-                               rtol=1e-5, atol=1e-4)
+    x = rand(limit + 3, 192, seed=7)
+    if fmt == "int4":
+        packed, params = quantize4(w)
+        for _ in range(2):                                        # the second call reuses the buffer
+            torch.testing.assert_close(ops.linear_int4(x, packed, params, bias),
+                                       reference.linear_int4(x, packed, params, bias), rtol=1e-5, atol=1e-5)
+    else:
+        q, scales = quantize(w)
+        q8, s8 = ops.pack_int8(q, scales, torch.float32)
+        for _ in range(2):
+            torch.testing.assert_close(ops.linear_int8(x, q8, s8, bias), x @ (q.float() * scales[:, None]).T + bias,
+                                       rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("T", [5, 40])
