@@ -418,7 +418,7 @@ static void u8_rows(const void *p, int lo, int hi) {
     }
 }
 
-#if PDCHAT_INT8_PATH == PD_INT8_AVX512VNNI
+#if PDCHAT_INT8_PATH == PD_INT8_AVX512VNNI || PDCHAT_INT8_PATH == PD_INT8_AVXVNNI
 enum { OUTER_U8, OUTER_Q4 };   /* the weights of a vnni_outer call */
 static int vnni_outer(int format, const float *x, const uint8_t *w, const void *params, const float *bias,
                       float *y, int M, int N, int K, int threads);
@@ -427,7 +427,7 @@ static int vnni_outer(int format, const float *x, const uint8_t *w, const void *
 
 int pd_linear_u8(const float *x, const uint8_t *w, const float *scales, const float *bias, float *y,
                  int M, int N, int K, int threads) {
-#if PDCHAT_INT8_PATH == PD_INT8_AVX512VNNI
+#ifdef VNNI_OUTER_MIN_ROWS
     if (M >= VNNI_OUTER_MIN_ROWS) return vnni_outer(OUTER_U8, x, w, scales, bias, y, M, N, K, threads);
 #endif
     int nb = K / QBLOCK;
@@ -874,16 +874,52 @@ void pd_unpack_q4(const uint8_t *w, const uint16_t *params, float *out, int N, i
     parallel_rows(q4_unpack_rows, &job, N, row_chunk(N, threads), threads);
 }
 
-/* ---- Integer products in outer-product form (AVX-512 VNNI): prefills and batches of 8+ rows --
+/* ---- Integer products in outer-product form (VNNI): prefills and batches of 8 rows and more ----
  * The dot-product kernels above convert and scale each (weight row, activation row, block) sum on
  * its own: about 9 multiply-adds an instruction against fp32's 16, and a 32-token prompt ran at
  * 0.73x fp32's speed in int8 (default model, 0.51x on the 1B shape). Here the activations are
- * stored k-major, four consecutive int8 of a row in each int32 lane and 16 rows to a vector:
- * a weight row's 4 bytes, broadcast, meet 16 activation rows in one dpbusd; R weight rows x V
- * vectors of rows keep their sums in registers for a whole block, and a block's conversion and
- * scaling serves 16 rows at once. The arithmetic is the dot-product kernels' (the same quantized
- * activations, exact integer sums per block): only the order of the float additions differs. */
+ * stored k-major, four consecutive int8 of a row in each int32 lane, OUTER_LANES rows to a
+ * vector: a weight row's 4 bytes, broadcast, meet a vector of activation rows in one dpbusd; R
+ * weight rows x V vectors of rows keep their sums in registers for a whole block, and a block's
+ * conversion and scaling serves a vector of rows at once. The arithmetic is the dot-product
+ * kernels' (the same quantized activations, exact integer sums per block): only the order of the
+ * float additions differs. AVX-512 VNNI and AVX-VNNI (256 bits, 16 registers: one vector of
+ * rows a tile) share the code through these names. */
 #if PDCHAT_INT8_PATH == PD_INT8_AVX512VNNI
+#define OUTER_LANES 16
+#define OUTER_V 2           /* vectors of rows a tile takes (32 registers) */
+typedef __m512i ivec;
+typedef __m512 fvec;
+#define I_ZERO() _mm512_setzero_si512()
+#define I_LOAD(p) _mm512_loadu_si512(p)
+#define I_SET1(w) _mm512_set1_epi32(w)
+#define DPBUSD(acc, u, s) _mm512_dpbusd_epi32(acc, u, s)
+#define F_ZERO() _mm512_setzero_ps()
+#define F_LOAD(p) _mm512_loadu_ps(p)
+#define F_STORE(p, v) _mm512_storeu_ps(p, v)
+#define F_SET1(f) _mm512_set1_ps(f)
+#define F_OF(v) _mm512_cvtepi32_ps(v)
+#define F_MUL(a, b) _mm512_mul_ps(a, b)
+#define F_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#elif PDCHAT_INT8_PATH == PD_INT8_AVXVNNI
+#define OUTER_LANES 8
+#define OUTER_V 1
+typedef __m256i ivec;
+typedef __m256 fvec;
+#define I_ZERO() _mm256_setzero_si256()
+#define I_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define I_SET1(w) _mm256_set1_epi32(w)
+#define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#define F_ZERO() _mm256_setzero_ps()
+#define F_LOAD(p) _mm256_loadu_ps(p)
+#define F_STORE(p, v) _mm256_storeu_ps(p, v)
+#define F_SET1(f) _mm256_set1_ps(f)
+#define F_OF(v) _mm256_cvtepi32_ps(v)
+#define F_MUL(a, b) _mm256_mul_ps(a, b)
+#define F_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#endif
+
+#ifdef OUTER_LANES
 #define VNNI_R 4        /* weight rows of a tile */
 #define WORDS(k) ((k) / 4)
 
@@ -899,12 +935,12 @@ struct vnni_outer_job {
     int *failed;              /* set when a thread could not get its scratch */
 };
 
-/* Where activation row m's word i (its int8 4i..4i+3) is: rows by vectors of 16, each vector's
+/* Where activation row m's word i (its int8 4i..4i+3) is: rows by vectors, each vector's
  * words k-major (lane = row), so a strip of rows reads one stream and a panel is one run of
  * memory (k-major across all rows, a panel of a 256-row prefill was read at a stride of 1 KB,
  * which L2 could hold only a part of: 47 against 101 G multiply-adds a second). */
 static inline int64_t word_at(const struct vnni_outer_job *j, int m, int i) {
-    return ((int64_t)(m / 16) * WORDS(j->K) + i) * 16 + m % 16;
+    return ((int64_t)(m / OUTER_LANES) * WORDS(j->K) + i) * OUTER_LANES + m % OUTER_LANES;
 }
 
 /* This thread's scratch of `bytes` (kept for its next calls: a fresh one per call would fault its
@@ -954,58 +990,60 @@ static void q4_outer_acts(const void *p, int lo, int hi) {
         }
 }
 
-static inline __m512i word_of(const uint8_t *at) {
+static inline ivec word_of(const uint8_t *at) {
     int32_t word;
     memcpy(&word, at, 4);
-    return _mm512_set1_epi32(word);
+    return I_SET1(word);
 }
 
-/* The sums of weight rows n0.. (R of them) x activation rows m0.. (V vectors of 16), int8's: per
+/* The sums of weight rows n0.. (R of them) x activation rows m0.. (V vectors), int8's: per
  * block, f += (hi_sum + lo_sum / 254) * xs. */
 #define U8_OUTER_TILE(R, V)                                                                      \
     static void u8_outer_##R##x##V(const struct vnni_outer_job *j, int n0, int m0) {             \
         int K = j->K, MP = j->MP;                                                                \
         const uint8_t *w = j->w + (int64_t)n0 * K;                                               \
         const int32_t *qh = j->q + word_at(j, m0, 0), *ql = qh + (int64_t)WORDS(K) * MP;         \
-        __m512 f[R][V];                                                                          \
+        fvec f[R][V];                                                                          \
         for (int r = 0; r < R; r++)                                                              \
-            for (int v = 0; v < V; v++) f[r][v] = _mm512_setzero_ps();                           \
+            for (int v = 0; v < V; v++) f[r][v] = F_ZERO();                           \
         for (int b = 0; b < K / QBLOCK; b++) {                                                   \
-            __m512i ih[R][V], il[R][V];                                                          \
+            ivec ih[R][V], il[R][V];                                                          \
             for (int r = 0; r < R; r++)                                                          \
-                for (int v = 0; v < V; v++) ih[r][v] = il[r][v] = _mm512_setzero_si512();        \
+                for (int v = 0; v < V; v++) ih[r][v] = il[r][v] = I_ZERO();        \
             for (int i = WORDS(b * QBLOCK); i < WORDS((b + 1) * QBLOCK); i++) {                  \
-                __m512i xh[V], xl[V];                                                            \
+                ivec xh[V], xl[V];                                                            \
                 for (int v = 0; v < V; v++) {                                                    \
-                    xh[v] = _mm512_loadu_si512(qh + ((int64_t)v * WORDS(K) + i) * 16);           \
-                    xl[v] = _mm512_loadu_si512(ql + ((int64_t)v * WORDS(K) + i) * 16);           \
+                    xh[v] = I_LOAD(qh + ((int64_t)v * WORDS(K) + i) * OUTER_LANES);           \
+                    xl[v] = I_LOAD(ql + ((int64_t)v * WORDS(K) + i) * OUTER_LANES);           \
                 }                                                                                \
                 for (int r = 0; r < R; r++) {                                                    \
-                    __m512i wb = word_of(w + (int64_t)r * K + 4 * i);                            \
+                    ivec wb = word_of(w + (int64_t)r * K + 4 * i);                            \
                     for (int v = 0; v < V; v++) {                                                \
-                        ih[r][v] = _mm512_dpbusd_epi32(ih[r][v], wb, xh[v]);                     \
-                        il[r][v] = _mm512_dpbusd_epi32(il[r][v], wb, xl[v]);                     \
+                        ih[r][v] = DPBUSD(ih[r][v], wb, xh[v]);                     \
+                        il[r][v] = DPBUSD(il[r][v], wb, xl[v]);                     \
                     }                                                                            \
                 }                                                                                \
             }                                                                                    \
             for (int v = 0; v < V; v++) {                                                        \
-                __m512 xs = _mm512_loadu_ps(j->xs + (int64_t)b * MP + m0 + 16 * v);              \
+                fvec xs = F_LOAD(j->xs + (int64_t)b * MP + m0 + OUTER_LANES * v);              \
                 for (int r = 0; r < R; r++) {                                                    \
-                    __m512 part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(il[r][v]),                  \
-                                                  _mm512_set1_ps(1.f / LO_SCALE), _mm512_cvtepi32_ps(ih[r][v])); \
-                    f[r][v] = _mm512_fmadd_ps(part, xs, f[r][v]);                                \
+                    fvec part = F_FMA(F_OF(il[r][v]),                  \
+                                                  F_SET1(1.f / LO_SCALE), F_OF(ih[r][v])); \
+                    f[r][v] = F_FMA(part, xs, f[r][v]);                                \
                 }                                                                                \
             }                                                                                    \
         }                                                                                        \
         for (int r = 0; r < R; r++)                                                              \
             for (int v = 0; v < V; v++)                                                          \
-                _mm512_storeu_ps(j->sums + (int64_t)(n0 + r) * MP + m0 + 16 * v, f[r][v]); \
+                F_STORE(j->sums + (int64_t)(n0 + r) * MP + m0 + OUTER_LANES * v, f[r][v]); \
     }
 
-U8_OUTER_TILE(4, 2)
 U8_OUTER_TILE(4, 1)
-U8_OUTER_TILE(1, 2)
 U8_OUTER_TILE(1, 1)
+#if OUTER_V == 2
+U8_OUTER_TILE(4, 2)
+U8_OUTER_TILE(1, 2)
+#endif
 
 /* int4: per group f += d * xs * <u, q> + m * xz, from the tile's rows unpacked to one byte a
  * weight in k order (u) and their params to floats (dm: d, m per group), once for every strip. */
@@ -1014,39 +1052,41 @@ U8_OUTER_TILE(1, 1)
                                    int m0) {                                                     \
         int K = j->K, MP = j->MP, ng = K / Q4_GROUP;                                             \
         const int32_t *q = j->q + word_at(j, m0, 0);                                             \
-        __m512 f[R][V];                                                                          \
+        fvec f[R][V];                                                                          \
         for (int r = 0; r < R; r++)                                                              \
-            for (int v = 0; v < V; v++) f[r][v] = _mm512_setzero_ps();                           \
+            for (int v = 0; v < V; v++) f[r][v] = F_ZERO();                           \
         for (int g = 0; g < ng; g++) {                                                           \
-            __m512i acc[R][V];                                                                   \
+            ivec acc[R][V];                                                                   \
             for (int r = 0; r < R; r++)                                                          \
-                for (int v = 0; v < V; v++) acc[r][v] = _mm512_setzero_si512();                  \
+                for (int v = 0; v < V; v++) acc[r][v] = I_ZERO();                  \
             for (int i = WORDS(g * Q4_GROUP); i < WORDS((g + 1) * Q4_GROUP); i++) {              \
-                __m512i xw[V];                                                                   \
-                for (int v = 0; v < V; v++) xw[v] = _mm512_loadu_si512(q + ((int64_t)v * WORDS(K) + i) * 16); \
+                ivec xw[V];                                                                   \
+                for (int v = 0; v < V; v++) xw[v] = I_LOAD(q + ((int64_t)v * WORDS(K) + i) * OUTER_LANES); \
                 for (int r = 0; r < R; r++) {                                                    \
-                    __m512i wb = word_of(u + (int64_t)r * K + 4 * i);                            \
-                    for (int v = 0; v < V; v++) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], wb, xw[v]); \
+                    ivec wb = word_of(u + (int64_t)r * K + 4 * i);                            \
+                    for (int v = 0; v < V; v++) acc[r][v] = DPBUSD(acc[r][v], wb, xw[v]); \
                 }                                                                                \
             }                                                                                    \
             for (int v = 0; v < V; v++) {                                                        \
-                __m512 xs = _mm512_loadu_ps(j->xs + (int64_t)g * MP + m0 + 16 * v);              \
-                __m512 xz = _mm512_loadu_ps(j->xz + (int64_t)g * MP + m0 + 16 * v);              \
+                fvec xs = F_LOAD(j->xs + (int64_t)g * MP + m0 + OUTER_LANES * v);              \
+                fvec xz = F_LOAD(j->xz + (int64_t)g * MP + m0 + OUTER_LANES * v);              \
                 for (int r = 0; r < R; r++) {                                                    \
                     const float *p = dm + 2 * ((int64_t)r * ng + g);                             \
-                    __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][v]), xs);               \
-                    f[r][v] = _mm512_fmadd_ps(dot, _mm512_set1_ps(p[0]), f[r][v]);               \
-                    f[r][v] = _mm512_fmadd_ps(xz, _mm512_set1_ps(p[1]), f[r][v]);                \
+                    fvec dot = F_MUL(F_OF(acc[r][v]), xs);               \
+                    f[r][v] = F_FMA(dot, F_SET1(p[0]), f[r][v]);               \
+                    f[r][v] = F_FMA(xz, F_SET1(p[1]), f[r][v]);                \
                 }                                                                                \
             }                                                                                    \
         }                                                                                        \
         for (int r = 0; r < R; r++)                                                              \
-            for (int v = 0; v < V; v++) _mm512_storeu_ps(j->sums + (int64_t)(n0 + r) * MP + m0 + 16 * v, f[r][v]); \
+            for (int v = 0; v < V; v++) F_STORE(j->sums + (int64_t)(n0 + r) * MP + m0 + OUTER_LANES * v, f[r][v]); \
     }
-Q4_OUTER_TILE(4, 2)
 Q4_OUTER_TILE(4, 1)
-Q4_OUTER_TILE(1, 2)
 Q4_OUTER_TILE(1, 1)
+#if OUTER_V == 2
+Q4_OUTER_TILE(4, 2)
+Q4_OUTER_TILE(1, 2)
+#endif
 
 /* The activation rows [m0, m1) a weight tile meets before the next tile: as many as keep their
  * words within OUTER_PANEL_BYTES (in L2 while a chunk's tiles pass), a multiple of 32. Without the
@@ -1057,19 +1097,22 @@ static int outer_panel(const struct vnni_outer_job *j, int parts) {
     return rows < 32 ? 32 : rows;
 }
 
-/* Activation rows [m0, m1) (m1 - m0 a multiple of 16) against weight rows n.. (R of them): two
- * vectors of 16 rows at a time, then one. */
+/* A tile of V vectors of rows where the build has one, else V single vectors. */
+#if OUTER_V == 2
+#define PAIR_OR_ONE(fn2, fn1, V, ...) ((V) == 2 ? fn2(__VA_ARGS__) : fn1(__VA_ARGS__))
+#else
+#define PAIR_OR_ONE(fn2, fn1, V, ...) fn1(__VA_ARGS__)
+#endif
+
+/* Activation rows [m0, m1) (a multiple of OUTER_LANES of them) against weight rows n.. (R of
+ * them): OUTER_V vectors of rows at a time, then one. */
 static void u8_outer_tile(const struct vnni_outer_job *j, int n, int R, int m0, int m1) {
-    for (int V; m0 < m1; m0 += 16 * V) {
-        V = m1 - m0 >= 32 ? 2 : 1;
-        if (R == VNNI_R) {
-            if (V == 2) u8_outer_4x2(j, n, m0);
-            else u8_outer_4x1(j, n, m0);
-        } else
-            for (int r = n; r < n + R; r++) {
-                if (V == 2) u8_outer_1x2(j, r, m0);
-                else u8_outer_1x1(j, r, m0);
-            }
+    for (int V; m0 < m1; m0 += OUTER_LANES * V) {
+        V = m1 - m0 >= OUTER_V * OUTER_LANES ? OUTER_V : 1;
+        if (R == VNNI_R)
+            PAIR_OR_ONE(u8_outer_4x2, u8_outer_4x1, V, j, n, m0);
+        else
+            for (int r = n; r < n + R; r++) PAIR_OR_ONE(u8_outer_1x2, u8_outer_1x1, V, j, r, m0);
     }
 }
 
@@ -1105,16 +1148,13 @@ static void q4_outer_unpack(const struct vnni_outer_job *j, int n, int R, uint8_
 static void q4_outer_tile(const struct vnni_outer_job *j, const uint8_t *u, const float *dm, int n, int R,
                           int m0, int m1) {
     int K = j->K, ng = K / Q4_GROUP;
-    for (int V; m0 < m1; m0 += 16 * V) {
-        V = m1 - m0 >= 32 ? 2 : 1;
-        if (R == VNNI_R) {
-            if (V == 2) q4_outer_4x2(j, u, dm, n, m0);
-            else q4_outer_4x1(j, u, dm, n, m0);
-        } else
-            for (int r = 0; r < R; r++) {
-                if (V == 2) q4_outer_1x2(j, u + (int64_t)r * K, dm + 2 * r * ng, n + r, m0);
-                else q4_outer_1x1(j, u + (int64_t)r * K, dm + 2 * r * ng, n + r, m0);
-            }
+    for (int V; m0 < m1; m0 += OUTER_LANES * V) {
+        V = m1 - m0 >= OUTER_V * OUTER_LANES ? OUTER_V : 1;
+        if (R == VNNI_R)
+            PAIR_OR_ONE(q4_outer_4x2, q4_outer_4x1, V, j, u, dm, n, m0);
+        else
+            for (int r = 0; r < R; r++)
+                PAIR_OR_ONE(q4_outer_1x2, q4_outer_1x1, V, j, u + (int64_t)r * K, dm + 2 * r * ng, n + r, m0);
     }
 }
 
@@ -1159,7 +1199,7 @@ static void outer_finish(const void *p, int lo, int hi) {
  * params). Returns -1 if out of memory. */
 static int vnni_outer(int format, const float *x, const uint8_t *w, const void *params, const float *bias,
                       float *y, int M, int N, int K, int threads) {
-    int MP = (M + 15) & ~15, failed = 0, int8 = format == OUTER_U8;
+    int MP = (M + OUTER_LANES - 1) / OUTER_LANES * OUTER_LANES, failed = 0, int8 = format == OUTER_U8;
     int blocks = K / (int8 ? QBLOCK : Q4_GROUP);
     /* zeroed: rows past M add nothing */
     int32_t *q = calloc((size_t)(int8 ? 2 : 1) * WORDS(K) * MP, sizeof(int32_t));
@@ -1185,7 +1225,7 @@ static int vnni_outer(int format, const float *x, const uint8_t *w, const void *
 /* K must be a multiple of 64. Returns -1 if out of memory (the caller raises). */
 int pd_linear_q4(const float *x, const uint8_t *w, const uint16_t *params, const float *bias, float *y,
                  int M, int N, int K, int threads) {
-#if PDCHAT_INT8_PATH == PD_INT8_AVX512VNNI
+#ifdef VNNI_OUTER_MIN_ROWS
     if (M >= VNNI_OUTER_MIN_ROWS) return vnni_outer(OUTER_Q4, x, w, params, bias, y, M, N, K, threads);
 #endif
     int ng = K / Q4_GROUP;

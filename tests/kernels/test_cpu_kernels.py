@@ -34,8 +34,8 @@ def test_linear_beyond_small_batches_is_blas(ops):
     assert torch.equal(ops.linear(x, w), reference.linear(x, w))
 
 
-# 1 and 5: dot-product kernels; 16 and 33: the outer-product one on AVX-512 VNNI; 45: that one
-# there, unpacked weights and BLAS elsewhere; 300: BLAS everywhere.
+# 1 and 5: dot-product kernels; 16 and 33: the outer-product one on AVX-512 VNNI and AVX-VNNI;
+# 45: that one on AVX-512 VNNI, unpacked weights and BLAS elsewhere; 300: BLAS everywhere.
 @pytest.mark.parametrize("rows", [1, 5, 16, 33, cpu.LINEAR_MAX_ROWS + 5, 300])
 def test_int8_product_is_as_exact_as_fp32_activations(ops, rows):
     w = rand(96, 256, seed=3) * torch.linspace(0.1, 4, 96)[:, None]
@@ -113,7 +113,7 @@ def test_int4_round_trip_is_within_half_a_step_of_each_group():
     assert torch.equal(reference.pack_int4(u), packed) and u.max() == 15 and u.min() == 0
 
 
-# whole tiles of 4 rows and ragged ends; from 8 rows the outer-product kernel on AVX-512 VNNI
+# whole tiles of 4 rows and ragged ends; from 8 rows the outer-product kernel on (AVX-512) VNNI
 @pytest.mark.parametrize("rows", [1, 4, 5, 7, 8, 17, 33, cpu.LINEAR_MAX_ROWS])
 def test_int4_product_is_exact_integer_arithmetic(ops, rows):
     w = rand(80, 320, seed=3) * torch.linspace(0.1, 4, 80)[:, None]
@@ -171,8 +171,8 @@ def test_int4_rows_of_any_width_are_computed(ops):
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_a_prefill_slice_gets_the_numbers_of_its_rows_one_by_one(ops, fmt, rows, width):
     """Up to 40 rows every build multiplies quantized weights in integers, by whichever kernel
-    suits the row count (AVX-512 VNNI: an outer-product one from 8 rows, which at 16,384 wide
-    takes the rows in two panels): the same quantized activations and exact integer sums as a
+    suits the row count (AVX-512 VNNI and AVX-VNNI: an outer-product one from 8 rows, which at
+    16,384 wide takes the rows in two panels): the same quantized activations and exact integer sums as a
     decode's, so a prompt slice and the same tokens decoded one at a time agree to float rounding."""
     w = rand(37, width, seed=21) * torch.linspace(0.1, 2, 37)[:, None] * 0.05    # 37: a ragged tile
     x, bias = rand(rows, width, seed=22), rand(37, seed=23)
