@@ -92,6 +92,7 @@ def int4_jobs() -> list[Job]:
 def fp32_jobs() -> list[Job]:
     """The other kernels of a layer, at test_cpu_kernels' shapes."""
     xf, wf, bf = rand(6, 96, seed=5), rand(40, 96, seed=3), rand(40, seed=4)
+    xo = rand(33, 96, seed=14)      # outer-product form: three strips of 16 rows, on NEON blocks of 6 weight rows and a last of 4
     xn, dn, wn = rand(70, 4096, seed=6), rand(70, 4096, seed=7), rand(4096, seed=8)   # split over threads
     gu = rand(9, 2 * 48, seed=10) * 4
     gu[0, :6] = torch.tensor([-100.0, -87.5, -20.0, 20.0, 88.5, 100.0])              # exp's clamped range
@@ -100,6 +101,7 @@ def fp32_jobs() -> list[Job]:
     angles = rand(T, D // 2, seed=13)
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     return [Job("linear f32", LINEAR_F32, (6, 40, 96), [xf, wf, bf], [reference.linear(xf, wf, bf)], TOL),
+            Job("linear f32, 33 rows", LINEAR_F32, (33, 40, 96), [xo, wf, bf], [reference.linear(xo, wf, bf)], TOL),
             Job("rms_norm", RMS_NORM, (70, 4096), [xn, wn], [reference.rms_norm(xn, wn, 1e-5)], TOL),
             Job("add_rms_norm", ADD_RMS_NORM, (70, 4096), [xn, dn, wn],
                 list(reference.add_rms_norm(xn.clone(), dn, wn, 1e-5)), TOL),
