@@ -946,7 +946,6 @@ struct vnni_outer_job {
     const void *params;       /* int8: row scales (float); int4: (d, m) per group (bf16) */
     int32_t *q;               /* activation words at word_at() (int8: hi, then lo at + K/4 * MP) */
     float *xs, *xz;           /* [blocks][MP] block scales; int4: xs * sum(q) too; int8: corr[M] in xz */
-    float *sums;              /* [N][MP]: the tiles' sums, stored as vectors; outer_finish writes y */
     float *y;
     int format, M, MP, N, K;
     int *failed;              /* set when a thread could not get its scratch */
@@ -1013,6 +1012,22 @@ static inline ivec word_of(const uint8_t *at) {
     return I_SET1(word);
 }
 
+/* A tile's sums (f[r * V + v]) into y, a run of R floats per activation row: int8's undo the
+ * weights' +128 offset (corr, in xz) and take the row's scale; int4's are final. */
+static inline void outer_store(const struct vnni_outer_job *j, const fvec *f, int R, int V, int n0, int m0) {
+    const float *scales = j->format == OUTER_U8 ? j->params : NULL;
+    for (int v = 0; v < V; v++) {
+        float t[VNNI_R][OUTER_LANES];
+        for (int r = 0; r < R; r++) F_STORE(t[r], f[r * V + v]);
+        for (int i = 0; i < OUTER_LANES && m0 + OUTER_LANES * v + i < j->M; i++) {
+            int m = m0 + OUTER_LANES * v + i;
+            float *y = j->y + (int64_t)m * j->N + n0, corr = scales ? j->xz[m] : 0.f;
+            for (int r = 0; r < R; r++)
+                y[r] = (scales ? (t[r][i] - corr) * scales[n0 + r] : t[r][i]) + (j->bias ? j->bias[n0 + r] : 0.f);
+        }
+    }
+}
+
 /* The sums of weight rows n0.. (R of them) x activation rows m0.. (V vectors), int8's: per
  * block, f += (hi_sum + lo_sum / 254) * xs. */
 #define U8_OUTER_TILE(R, V)                                                                        \
@@ -1050,9 +1065,7 @@ static inline ivec word_of(const uint8_t *at) {
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
-        for (int r = 0; r < R; r++)                                                                \
-            for (int v = 0; v < V; v++)                                                            \
-                F_STORE(j->sums + (int64_t)(n0 + r) * MP + m0 + OUTER_LANES * v, f[r][v]);         \
+        outer_store(j, &f[0][0], R, V, n0, m0);                                                    \
     }
 
 U8_OUTER_TILE(4, 1)
@@ -1095,8 +1108,7 @@ U8_OUTER_TILE(1, 2)
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
-        for (int r = 0; r < R; r++)                                                                \
-            for (int v = 0; v < V; v++) F_STORE(j->sums + (int64_t)(n0 + r) * MP + m0 + OUTER_LANES * v, f[r][v]); \
+        outer_store(j, &f[0][0], R, V, n0, m0);                                                    \
     }
 Q4_OUTER_TILE(4, 1)
 Q4_OUTER_TILE(1, 1)
@@ -1195,23 +1207,6 @@ static void q4_outer_rows(const void *p, int lo, int hi) {
     }
 }
 
-/* y's columns [lo, hi) from the sums: int8's undo the weights' +128 offset (corr, in xz) and take
- * the row's scale; int4's are final. */
-static void outer_finish(const void *p, int lo, int hi) {
-    const struct vnni_outer_job *j = p;
-    const float *scales = j->format == OUTER_U8 ? j->params : NULL;
-    for (int n0 = lo; n0 < hi; n0 += 16) {     /* 16 rows of sums read as streams, a line of y written */
-        int n1 = n0 + 16 < hi ? n0 + 16 : hi;
-        for (int m = 0; m < j->M; m++) {
-            float *y = j->y + (int64_t)m * j->N, corr = scales ? j->xz[m] : 0.f;
-            for (int n = n0; n < n1; n++) {
-                float v = j->sums[(int64_t)n * j->MP + m];
-                y[n] = (scales ? (v - corr) * scales[n] : v) + (j->bias ? j->bias[n] : 0.f);
-            }
-        }
-    }
-}
-
 /* y[M, N] = x @ W^T + bias for W int8 (format OUTER_U8: w, row scales) or int4 (OUTER_Q4: w,
  * params). Returns -1 if out of memory. */
 static int vnni_outer(int format, const float *x, const uint8_t *w, const void *params, const float *bias,
@@ -1220,21 +1215,17 @@ static int vnni_outer(int format, const float *x, const uint8_t *w, const void *
     int blocks = K / (int8 ? QBLOCK : Q4_GROUP);
     /* zeroed: rows past M add nothing */
     int32_t *q = calloc((size_t)(int8 ? 2 : 1) * WORDS(K) * MP, sizeof(int32_t));
-    float *xs = calloc((size_t)2 * blocks * MP, sizeof(float)), *sums = malloc(sizeof(float) * (size_t)N * MP);
-    if (!q || !xs || !sums) {
+    float *xs = calloc((size_t)2 * blocks * MP, sizeof(float));
+    if (!q || !xs) {
         free(q);
         free(xs);
-        free(sums);
         return -1;
     }
-    struct vnni_outer_job job = {x, bias, w, params, q, xs, xs + (size_t)blocks * MP, sums, y, format, M, MP, N, K,
-                                 &failed};
+    struct vnni_outer_job job = {x, bias, w, params, q, xs, xs + (size_t)blocks * MP, y, format, M, MP, N, K, &failed};
     parallel_rows(int8 ? u8_outer_acts : q4_outer_acts, &job, M, (M + threads - 1) / threads, threads);
     parallel_rows(int8 ? u8_outer_rows : q4_outer_rows, &job, N, row_chunk(N, threads), threads);
-    if (!failed) parallel_rows(outer_finish, &job, N, row_chunk(N, threads), threads);
     free(q);
     free(xs);
-    free(sums);
     return failed ? -1 : 0;
 }
 #endif
