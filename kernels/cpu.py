@@ -158,6 +158,7 @@ _SIGNATURES = {
     "pd_unpack_q4": ([_P, _P, _P, _I, _I, _I], None),
     "pd_unpack_u8": ([_P, _P, _P, _I, _I, _I], None),
     "pd_quant_max_rows": ([_I], _I),
+    "pd_u8_dequant_rows": ([], _I),
     "pd_rms_norm": ([_P, _P, _P, _I, _I, _F, _I], None),
     "pd_add_rms_norm": ([_P, _P, _P, _P, _I, _I, _F, _I], None),
     "pd_rope": ([_P, _L, _I, _P, _L, _I, _P, _P, _I, _I, _I], None),

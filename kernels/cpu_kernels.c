@@ -179,24 +179,49 @@ static void f32_rows(const void *p, int lo, int hi) {
 #define OUTER_STRIP_MAX 16
 #endif
 
+/* The weights of an outer job: fp32 rows (w), or int8 rows (u8: q + 128, one scale a row) that
+ * each block unpacks into a buffer of its thread's first (AVX2's int8 prompt rows, below). */
 struct outer_job {
     const float *xt, *w, *bias;
+    const uint8_t *u8;
+    const float *scales;
     float *y;
     int M, MP, N, K;
+    int *failed;              /* set when a thread could not get its buffer */
 };
 
+/* This thread's scratch of `bytes` (kept for its next calls: a fresh one per call would fault its
+ * pages in each time); NULL if out of memory. */
+static void *thread_scratch(size_t bytes) {
+    static __thread void *buf;
+    static __thread size_t have;
+    if (bytes > have) {
+        void *grown = realloc(buf, bytes);
+        if (!grown) return NULL;
+        buf = grown;
+        have = bytes;
+    }
+    return buf;
+}
+
+/* One int8 weight row (stored q + 128) as floats: out = scale * q. */
+static void unpack_u8_row(const uint8_t *wr, float scale, float *out, int K) {
+#pragma omp simd
+    for (int k = 0; k < K; k++) out[k] = scale * (float)((int)wr[k] - 128);
+}
+
 #define OUTER_STRIP(SW)                                                                          \
-    static void outer_strip_##SW(const struct outer_job *j, int n0, int nw, int m0) {            \
+    static void outer_strip_##SW(const struct outer_job *j, const float *w, int n0, int nw, int m0) { \
         float acc[OUTER_W][SW];                                                                  \
         for (int r = 0; r < OUTER_W; r++)                                                        \
             for (int m = 0; m < SW; m++) acc[r][m] = 0.f;                                        \
-        const float *w = j->w + (int64_t)n0 * j->K, *xt = j->xt + m0;                            \
+        const float *xt = j->xt + m0;                                                            \
         int K = j->K, MP = j->MP;                                                                \
         if (nw == OUTER_W) {                                                                     \
             const float *ahead = w + (int64_t)OUTER_W * K; /* the next block: fetched meanwhile */ \
             for (int k = 0; k < K; k++) {                                                        \
                 const float *xk = xt + (int64_t)k * MP;                                          \
-                if (m0 == 0 && (k & 15) == 0 && n0 + 2 * OUTER_W <= j->N)                      \
+                if (!j->u8 && m0 == 0 && (k & 15) == 0 && n0 + 2 * OUTER_W <= j->N)             \
                     for (int r = 0; r < OUTER_W; r++) __builtin_prefetch(ahead + (int64_t)r * K + k, 0, 3); \
                 for (int r = 0; r < OUTER_W; r++) {                                              \
                     float wr = w[(int64_t)r * K + k];                                            \
@@ -227,19 +252,48 @@ OUTER_STRIP(48)
 /* Weight rows [lo, hi) (lo a multiple of OUTER_W) against every strip of activation rows. */
 static void outer_rows(const void *p, int lo, int hi) {
     const struct outer_job *j = p;
+    float *unpacked = j->u8 ? thread_scratch(sizeof(float) * OUTER_W * (size_t)j->K) : NULL;
+    if (j->u8 && !unpacked) {
+        __atomic_store_n(j->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
     for (int n0 = lo; n0 < hi; n0 += OUTER_W) {
         int nw = hi - n0 < OUTER_W ? hi - n0 : OUTER_W;
+        const float *w = j->w + (int64_t)n0 * j->K;
+        if (j->u8) {
+            for (int r = 0; r < nw; r++)
+                unpack_u8_row(j->u8 + (int64_t)(n0 + r) * j->K, j->scales[n0 + r], unpacked + (int64_t)r * j->K, j->K);
+            w = unpacked;
+        }
         int m0 = 0;
 #if OUTER_STRIP_MAX == 48
-        for (; j->MP - m0 > 48; m0 += 32) outer_strip_32(j, n0, nw, m0);
+        for (; j->MP - m0 > 48; m0 += 32) outer_strip_32(j, w, n0, nw, m0);
         int left = j->MP - m0;    /* 16, 32 or 48 rows: one strip, the weight block read once */
-        if (left == 48) outer_strip_48(j, n0, nw, m0);
-        else if (left == 32) outer_strip_32(j, n0, nw, m0);
-        else outer_strip_16(j, n0, nw, m0);
+        if (left == 48) outer_strip_48(j, w, n0, nw, m0);
+        else if (left == 32) outer_strip_32(j, w, n0, nw, m0);
+        else outer_strip_16(j, w, n0, nw, m0);
 #else
-        for (; m0 < j->MP; m0 += 16) outer_strip_16(j, n0, nw, m0);
+        for (; m0 < j->MP; m0 += 16) outer_strip_16(j, w, n0, nw, m0);
 #endif
     }
+}
+
+/* y = x @ W^T + bias in outer-product form, W fp32 (w) or int8 (u8 and its row scales). Returns -1
+ * if out of memory. */
+static int outer_product(const float *x, const float *w, const uint8_t *u8, const float *scales, const float *bias,
+                         float *y, int M, int N, int K, int threads) {
+    int MP = (M + 15) & ~15, failed = 0;
+    float *xt = malloc(sizeof(float) * (size_t)K * MP);
+    if (!xt) return -1;
+    for (int k = 0; k < K; k++) {
+        for (int m = 0; m < M; m++) xt[(int64_t)k * MP + m] = x[(int64_t)m * K + k];
+        for (int m = M; m < MP; m++) xt[(int64_t)k * MP + m] = 0.f;
+    }
+    struct outer_job job = {xt, w, bias, u8, scales, y, M, MP, N, K, &failed};
+    int chunk = (N / (4 * threads) + OUTER_W - 1) / OUTER_W * OUTER_W;
+    parallel_rows(outer_rows, &job, N, chunk < OUTER_W ? OUTER_W : chunk, threads);
+    free(xt);
+    return failed ? -1 : 0;
 }
 
 /* y[M, N] = x[M, K] @ w[N, K]^T + bias for small M (decode batches, speculative verification,
@@ -248,22 +302,9 @@ static void outer_rows(const void *p, int lo, int hi) {
  * a time); from there on, the outer-product form above. Returns -1 if out of memory. */
 int pd_linear_f32(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
                   int threads) {
-    if (M < OUTER_MIN_ROWS) {
-        struct f32_job job = {x, w, bias, y, M, N, K};
-        parallel_rows(f32_rows, &job, N, row_chunk(N, threads), threads);
-        return 0;
-    }
-    int MP = (M + 15) & ~15;
-    float *xt = malloc(sizeof(float) * (size_t)K * MP);
-    if (!xt) return -1;
-    for (int k = 0; k < K; k++) {
-        for (int m = 0; m < M; m++) xt[(int64_t)k * MP + m] = x[(int64_t)m * K + k];
-        for (int m = M; m < MP; m++) xt[(int64_t)k * MP + m] = 0.f;
-    }
-    struct outer_job job = {xt, w, bias, y, M, MP, N, K};
-    int chunk = (N / (4 * threads) + OUTER_W - 1) / OUTER_W * OUTER_W;
-    parallel_rows(outer_rows, &job, N, chunk < OUTER_W ? OUTER_W : chunk, threads);
-    free(xt);
+    if (M >= OUTER_MIN_ROWS) return outer_product(x, w, NULL, NULL, bias, y, M, N, K, threads);
+    struct f32_job job = {x, w, bias, y, M, N, K};
+    parallel_rows(f32_rows, &job, N, row_chunk(N, threads), threads);
     return 0;
 }
 
@@ -441,11 +482,28 @@ static int vnni_outer(int format, const float *x, const uint8_t *w, const void *
                       float *y, int M, int N, int K, int threads);
 #define VNNI_OUTER_MIN_ROWS 8   /* at 8 rows (AVX-512, both models): int8 1.2-2.8x the dot kernel, int4 0.76-1.8x */
 #endif
+/* AVX2 has no dpbusd: its int8 dot product (maddubs on |q| and signed activations, two parts)
+ * costs more than fp32's FMAs, and prompt rows ran at 0.46-0.72x fp32 (-march=haswell build, 1B
+ * shape, 16-40 rows). From this many rows its weights are unpacked a block at a time for the fp32
+ * outer-product kernel: the activations stay fp32, as above 40 rows (BLAS), so a prompt's numbers
+ * differ from a decode's by the activations' int8 rounding (~1e-5 of a block's largest value). */
+#define AVX2_U8_DEQUANT_ROWS 16
+
+/* From how many rows pd_linear_u8 multiplies with fp32 activations (0: it never does). */
+int pd_u8_dequant_rows(void) {
+#if PDCHAT_INT8_PATH == PD_INT8_AVX2
+    return AVX2_U8_DEQUANT_ROWS;
+#else
+    return 0;
+#endif
+}
 
 int pd_linear_u8(const float *x, const uint8_t *w, const float *scales, const float *bias, float *y,
                  int M, int N, int K, int threads) {
 #ifdef VNNI_OUTER_MIN_ROWS
     if (M >= VNNI_OUTER_MIN_ROWS) return vnni_outer(OUTER_U8, x, w, scales, bias, y, M, N, K, threads);
+#elif PDCHAT_INT8_PATH == PD_INT8_AVX2
+    if (M >= AVX2_U8_DEQUANT_ROWS) return outer_product(x, NULL, w, scales, bias, y, M, N, K, threads);
 #endif
     int nb = K / QBLOCK;
     int8_t *hi = malloc((size_t)2 * M * K);
@@ -847,13 +905,8 @@ struct u8_unpack_job {
 
 static void u8_unpack_rows(const void *p, int lo, int hi) {
     const struct u8_unpack_job *j = p;
-    for (int n = lo; n < hi; n++) {
-        const uint8_t *wr = j->w + (int64_t)n * j->K;
-        float s = j->scales[n], *o = j->out + (int64_t)n * j->K;
-#pragma omp simd
-        for (int k = 0; k < j->K; k++)
-            o[k] = s * (float)((int)wr[k] - 128);
-    }
+    for (int n = lo; n < hi; n++)
+        unpack_u8_row(j->w + (int64_t)n * j->K, j->scales[n], j->out + (int64_t)n * j->K, j->K);
 }
 
 void pd_unpack_u8(const uint8_t *w, const float *scales, float *out, int N, int K, int threads) {
@@ -957,20 +1010,6 @@ struct vnni_outer_job {
  * which L2 could hold only a part of: 47 against 138 G multiply-adds a second). */
 static inline int64_t word_at(const struct vnni_outer_job *j, int m, int i) {
     return ((int64_t)(m / OUTER_LANES) * WORDS(j->K) + i) * OUTER_LANES + m % OUTER_LANES;
-}
-
-/* This thread's scratch of `bytes` (kept for its next calls: a fresh one per call would fault its
- * pages in each time); NULL if out of memory. */
-static void *thread_scratch(size_t bytes) {
-    static __thread void *buf;
-    static __thread size_t have;
-    if (bytes > have) {
-        void *grown = realloc(buf, bytes);
-        if (!grown) return NULL;
-        buf = grown;
-        have = bytes;
-    }
-    return buf;
 }
 
 /* Activation rows [lo, hi) quantized as for pd_linear_u8 (two parts a block of 64), into the
