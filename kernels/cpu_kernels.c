@@ -259,12 +259,10 @@ static void outer_rows(const void *p, int lo, int hi) {
     }
     for (int n0 = lo; n0 < hi; n0 += OUTER_W) {
         int nw = hi - n0 < OUTER_W ? hi - n0 : OUTER_W;
-        const float *w = j->w + (int64_t)n0 * j->K;
-        if (j->u8) {
+        if (j->u8)
             for (int r = 0; r < nw; r++)
                 unpack_u8_row(j->u8 + (int64_t)(n0 + r) * j->K, j->scales[n0 + r], unpacked + (int64_t)r * j->K, j->K);
-            w = unpacked;
-        }
+        const float *w = j->u8 ? unpacked : j->w + (int64_t)n0 * j->K;    /* (j->w is NULL for int8) */
         int m0 = 0;
 #if OUTER_STRIP_MAX == 48
         for (; j->MP - m0 > 48; m0 += 32) outer_strip_32(j, w, n0, nw, m0);
