@@ -19,7 +19,7 @@ from pdchat.bench import Progress, filler_text, gguf_export, kernel_paths, llama
 
 PRECISIONS = ("none", "int8", "int4")     # "none": the load dtype (float32 on CPU)
 # Chat-sized prompts besides the 1,024-token prefill: quantized weights run other kernels there
-# (up to 40 rows the integer ones), and "no TTFT penalty" is about every length.
+# (up to 48 rows the integer ones), and "no TTFT penalty" is about every length.
 SHORT_PREFILLS = (32, 128, 512)
 
 

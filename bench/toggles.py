@@ -27,7 +27,7 @@ NEWCOMER_WORDS, QUICK_NEWCOMER_WORDS = 1500, 150
 
 def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, Any]:
     sizes = dict(conversation_words=120, long_prompt_words=QUICK_NEWCOMER_WORDS, batch=4, naive_position=100,
-                 repeats=1, budgets=[2.5], chunks=[16, None], rounds=1) if quick else \
+                 repeats=1, budgets=[config.step_budget], chunks=[16, None], rounds=1) if quick else \
         dict(conversation_words=1500, long_prompt_words=NEWCOMER_WORDS, batch=16, naive_position=500, repeats=3,
              budgets=[2.0, 2.5, 3.0, 4.0, 6.0], chunks=[16, 32, 64, 128, 256, None], rounds=3)
     engine = Engine(replace(config, telemetry=False), say=lambda m: None)

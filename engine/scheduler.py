@@ -21,9 +21,11 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from pdchat.kernels import FastRows
+
 from .block_manager import BlockManager
 from .sequence import Sequence, Status
-from .step_cost import StepCost, attention_pairs
+from .step_cost import StepCost, attention_pairs, charged_tokens
 
 # A prompt slice is never smaller than this while any budget is left: below it a step runs far
 # below the prefill's efficiency (a CPU re-reads every weight for a handful of rows).
@@ -70,12 +72,12 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, cost: StepCost, *, max_num_seqs: int, chunk_size: int | str | None,
-                 step_budget: float, kv_cache: bool = True, fast_rows: int | None = None):
+                 step_budget: float, kv_cache: bool = True, fast_rows: FastRows | None = None):
         self.blocks = blocks
         self.cost = cost                      # learned step times (the engine records each step)
-        # The most rows of the kernels' fast path (a CPU's one-call forward): a time-budgeted
-        # slice stops there, past it a step costs ~2x what its rows say (measured: a 44-token
-        # slice 109-137 ms where 62-75 were planned).
+        # The kernels' fast path (a CPU's one-call forward): a time-budgeted slice stops at its
+        # rows, past which a step cost ~2x what its rows say (measured: a 44-token slice 109-137 ms
+        # where 62-75 were planned, when the path ended at 40 rows).
         self.fast_rows = fast_rows
         self.max_num_seqs = max_num_seqs
         self.chunk_size = chunk_size          # "auto": time budget; N: N tokens; None: prompts whole
@@ -125,9 +127,18 @@ class Scheduler:
         """What a step took, for the cost model: a decode-only step without drafts gives the decode
         time, a step with prompt tokens the cost of its prefill work."""
         if plan.prompt_tokens:
-            self.cost.record_prefill(plan.prompt_tokens, plan.prompt_pairs, plan.num_decode_tokens > 0, seconds)
+            self.cost.record_prefill(plan.prompt_tokens, plan.prompt_pairs, self._ran_as_slice(plan), seconds,
+                                     plan.num_decode_tokens)
         elif plan.decode_only and not drafted:
             self.cost.record_decode(seconds)
+
+    def _ran_as_slice(self, plan: StepPlan) -> bool:
+        """Whether a step's prompt work ran as a time-budgeted slice does: beside decodes and within
+        the fast path's rows. A fixed chunk past them runs op by op, as a lone prompt does, at another
+        cost per token (beside a decode, 64 tokens took 118-132 ms, 47 in one call 75): counted with
+        the slices it would skew the next ones' size for as long as the fit remembers it."""
+        rows = plan.prompt_tokens + plan.num_decode_tokens
+        return plan.num_decode_tokens > 0 and (self.fast_rows is None or rows <= self.fast_rows.limit)
 
     def _budget(self) -> "_PlanBuilder":
         """This step's budget: none unless someone is decoding; else tokens (a fixed chunk) or
@@ -207,9 +218,9 @@ class _PlanBuilder:
     prompt tokens (`tokens`) or of predicted prefill seconds (`seconds`); neither: no budget, each
     prompt in one piece. Decodes are not charged to a time budget: it is their step to begin with."""
 
-    def __init__(self, tokens: int | None, seconds: float | None, cost: StepCost, rows: int | None = None):
+    def __init__(self, tokens: int | None, seconds: float | None, cost: StepCost, rows: FastRows | None = None):
         self.tokens, self.seconds, self.cost = tokens, seconds, cost
-        self.rows = rows                            # a time budget's cap on the step's rows
+        self.rows = rows                            # a time budget's limits on the step's rows
         self.items: list[ScheduledSeq] = []
         self.failed: list[Sequence] = []
         self._charged: dict[int, float] = {}       # id(item) -> predicted prefill seconds
@@ -223,16 +234,23 @@ class _PlanBuilder:
 
     def take(self, seq: Sequence) -> int:
         """How many of seq's uncomputed tokens go in: all, or what the budget leaves (at least
-        one; a prompt slice at least MIN_SLICE)."""
+        one; a prompt slice about MIN_SLICE or more)."""
         n = seq.num_uncomputed
         if self.seconds is not None:
             if n == 1:
                 return 1
-            fits = self.cost.tokens_within(self.seconds, seq.num_computed_tokens)
-            if self.rows is not None:     # (the decodes are planned first: their rows are in)
-                fits = min(fits, self.rows - sum(i.num_tokens for i in self.items))
-            return min(n, max(fits, MIN_SLICE))
+            planned = sum(i.num_tokens for i in self.items)     # (the decodes are planned first)
+            most = None if self.rows is None else max(self.rows.limit - planned, 1)
+            fits = self.cost.tokens_within(self.seconds, seq.num_computed_tokens, planned, most)
+            return min(n, max(fits, self._min_slice(planned)), most or n)
         return n if self.tokens is None else min(n, max(self.tokens, 1))
+
+    def _min_slice(self, planned: int) -> int:
+        """MIN_SLICE, or where rows go by vectors the slice up to it that ends a vector (15 beside
+        one decode: 16 rows; 17 would cost what 31 do)."""
+        g = self.cost.granule
+        ends = (planned + MIN_SLICE) // g * g - planned
+        return ends if ends > 0 else MIN_SLICE
 
     def add(self, seq: Sequence, n: int) -> None:
         item = ScheduledSeq(seq, n, seq.num_computed_tokens)
@@ -240,7 +258,8 @@ class _PlanBuilder:
         if self.tokens is not None:
             self.tokens -= n
         if self.seconds is not None and seq.in_prefill:
-            self._charged[id(item)] = cost = self.cost.prefill_seconds(item.start, n)
+            others = sum(i.num_tokens for i in self.items) - n
+            self._charged[id(item)] = cost = self.cost.prefill_seconds(item.start, n, other_rows=others)
             self.seconds -= cost
 
     def unplan(self, seq: Sequence) -> None:
@@ -254,11 +273,12 @@ class _PlanBuilder:
 
     def plan(self) -> StepPlan:
         prompt = [i for i in self.items if i.seq.in_prefill]
+        tokens = sum(i.num_tokens for i in prompt)
+        pairs = sum(attention_pairs(i.start, i.num_tokens) for i in prompt)
         predicted = 0.0
         if prompt:
-            beside = len(prompt) < len(self.items)
-            predicted = self.cost.step_seconds(sum(self.cost.prefill_seconds(i.start, i.num_tokens, beside)
-                                                   for i in prompt))
-        return StepPlan(self.items, self.failed, sum(i.num_tokens for i in prompt),
-                        sum(attention_pairs(i.start, i.num_tokens) for i in prompt), predicted,
+            others = sum(i.num_tokens for i in self.items) - tokens
+            charged = charged_tokens(tokens, others, self.cost.granule)
+            predicted = self.cost.step_seconds(self.cost.work_seconds(charged, pairs, others > 0))
+        return StepPlan(self.items, self.failed, tokens, pairs, predicted,
                         timed=self.seconds is not None and bool(prompt))

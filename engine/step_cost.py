@@ -12,11 +12,17 @@ coefficients are fitted online (least squares, recent steps weighted more), each
 towards a prior: a 16-token slice costing about a decode step, and a pair costing what the
 model's FLOPs say relative to a token.
 
+Where the kernels take rows by vectors (a CPU's products: 16 rows at a time) `tokens` are the
+charged ones: the step's rows rounded up to whole vectors, less its decodes' rows (`charged_tokens`).
+17 prompt tokens beside one decode cost what 31 do (measured at the start of a prompt, default
+model: the decode alone 26 ms, with 15 tokens 39, with 31 56, with 47 75); slices sized by tokens
+alone mostly ended inside a vector (39, 32, 16 tokens beside a decode: 40, 33, 17 rows).
+
 Two fits: prompt slices beside decoding streams (what the budget sizes), and prompts prefilled
-with no stream to protect (whole, and the prefill progress's estimate). They run on different
-paths at different efficiency (a CPU: a slice of up to 40 rows as one C call; a whole prompt on
-BLAS and flash attention, half the cost per token): one fit of both sized the first slices after a
-long lone prompt twice too large.
+with no stream to protect (whole, and the prefill progress's estimate) or in steps past the
+kernels' fast path (a fixed chunk). They run on different paths at different efficiency (a CPU: a
+slice of up to 48 rows as one C call; a whole prompt on BLAS and flash attention, half the cost
+per token): one fit of both sized the first slices after a long lone prompt twice too large.
 
 One fixed cost is known rather than fitted: where decode steps replay a CUDA graph while steps
 with prompt tokens run op by op (a GPU), the latter pay the launches the graph saves, about ten
@@ -59,9 +65,21 @@ def pair_flops_ratio(cfg: "ModelConfig") -> float:
     return (2 * cfg.num_heads * hd) / linear
 
 
+def charged_tokens(tokens: int, other_rows: int, granule: int) -> int:
+    """What `tokens` prompt rows cost in a step with `other_rows` rows besides (its decodes) on
+    kernels that take rows `granule` at a time: the rows past the last whole vector are paid as a
+    whole vector (a slice of 17 tokens beside one decode costs what 31 do), the vector the other
+    rows began is free to fill."""
+    if granule <= 1:
+        return tokens
+    vectors = -(-(tokens + other_rows) // granule)
+    return max(vectors * granule - other_rows, tokens)
+
+
 class StepCost:
-    def __init__(self, pair_ratio: float):
+    def __init__(self, pair_ratio: float, granule: int = 1):
         self.pair_ratio = pair_ratio
+        self.granule = granule          # rows the kernels' products take at a time (kernels.FastRows)
         self.decode_s: float | None = None          # a decode-only step, recent average
         # What a step with prompt tokens costs beyond a decode step whatever its tokens (seconds;
         # the engine wires in the CUDA graphs' measurement, else none)
@@ -73,12 +91,13 @@ class StepCost:
         """A decode-only step (no prompt tokens, no drafts) took `seconds`."""
         self.decode_s = seconds if self.decode_s is None else DECAY * self.decode_s + (1 - DECAY) * seconds
 
-    def record_prefill(self, tokens: int, pairs: int, decoded: bool, seconds: float) -> None:
+    def record_prefill(self, tokens: int, pairs: int, decoded: bool, seconds: float, other_rows: int = 0) -> None:
         """A step computed `tokens` prompt tokens scoring `pairs` query-key pairs (beside decodes
-        when `decoded`) in `seconds`."""
+        when `decoded`, `other_rows` rows of them) in `seconds`."""
         if tokens > 0:
             work = seconds - (self.decode_s or 0.0) - self.fixed()
-            (self._beside if decoded else self._alone).add(tokens, pairs, max(work, 0.0))
+            (self._beside if decoded else self._alone).add(charged_tokens(tokens, other_rows, self.granule), pairs,
+                                                           max(work, 0.0))
 
     def prompt_seconds(self, step_budget: float) -> float:
         """Seconds of prompt work a step beside decodes may take: the budget's share past its
@@ -95,22 +114,44 @@ class StepCost:
         prior = self.decode_s / PRIOR_SLICE if self.decode_s else PRIOR_TOKEN_SECONDS
         return (self._beside if decoded else self._alone).coefficients(prior)
 
-    def prefill_seconds(self, start: int, tokens: int, decoded: bool = True) -> float:
-        """Predicted cost of prefilling `tokens` tokens from position `start` within a step."""
-        per_token, per_pair = self.coefficients(decoded)
-        return per_token * tokens + per_pair * attention_pairs(start, tokens)
+    def prefill_seconds(self, start: int, tokens: int, decoded: bool = True, other_rows: int = 0) -> float:
+        """Predicted cost of prefilling `tokens` tokens from position `start` within a step that
+        has `other_rows` rows besides."""
+        return self.work_seconds(charged_tokens(tokens, other_rows, self.granule),
+                                 attention_pairs(start, tokens), decoded)
 
-    def tokens_within(self, seconds: float, start: int) -> int:
-        """The most prompt tokens from position `start` whose prefill beside decodes fits
-        `seconds` (may be 0)."""
+    def work_seconds(self, charged: int, pairs: int, decoded: bool = True) -> float:
+        """Predicted prompt work of `charged` tokens (charged_tokens) scoring `pairs` pairs."""
+        per_token, per_pair = self.coefficients(decoded)
+        return per_token * charged + per_pair * pairs
+
+    def tokens_within(self, seconds: float, start: int, other_rows: int = 0, most: int | None = None) -> int:
+        """The most prompt tokens (up to `most`) from position `start` whose prefill beside decodes
+        (`other_rows` rows of them) fits `seconds` (may be 0). Where rows go by vectors the answer
+        is, per count of vectors, what the pairs leave of its last one: early in a prompt a slice
+        fills its vectors, late, where attention dominates, the last may be part full."""
         if seconds <= 0:
             return 0
         a, b = self.coefficients()
-        # a*n + b*(n*start + n*(n+1)/2) <= seconds, a quadratic in n.
-        linear = a + b * (start + 0.5)
-        if b <= 0:
-            return int(seconds / linear) if linear > 0 else 1 << 30
-        return max(0, int((-linear + math.sqrt(linear * linear + 2 * b * seconds)) / b))
+        most = 1 << 30 if most is None else most
+        if self.granule <= 1 or a <= 0:
+            return min(most, _quadratic_tokens(a, b, start, seconds))
+        g, best, k = self.granule, 0, other_rows // self.granule + 1
+        while True:
+            full = k * g - other_rows                  # the tokens that fill k vectors
+            room = seconds - a * full
+            if room < 0 or full - g >= most:
+                return best
+            best = max(best, min(full, most, _quadratic_tokens(0.0, b, start, room)))
+            k += 1
+
+
+def _quadratic_tokens(a: float, b: float, start: int, seconds: float) -> int:
+    """The most n with a*n + b*(n*start + n*(n+1)/2) <= seconds."""
+    linear = a + b * (start + 0.5)
+    if b <= 0:
+        return int(seconds / linear) if linear > 0 else 1 << 30
+    return max(0, int((-linear + math.sqrt(linear * linear + 2 * b * seconds)) / b))
 
 
 class _Fit:

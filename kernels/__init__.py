@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from types import SimpleNamespace
+from typing import NamedTuple
 
 from . import reference
 from .reference import paged_attention, store_kv
@@ -52,10 +53,17 @@ def load(name: str, cache_dir: Path | None = None) -> SimpleNamespace:
             raise ValueError("the cpu backend needs a cache folder for its build")
         own = [cpu.CpuKernels(cpu.library(cache_dir))]
     ops = {op: next((getattr(o, op) for o in own if hasattr(o, op)), getattr(reference, op)) for op in OPS}
-    # The most rows a forward takes on the backend's fast path (None: no such edge): past it a
-    # step costs more than its rows say, so the scheduler's time budget keeps slices within it.
     fast_rows = next((o.FAST_ROWS for o in own if hasattr(o, "FAST_ROWS")), None)
     return SimpleNamespace(name=name, fast_rows=fast_rows, **ops)
 
 
-__all__ = ["BACKENDS", "OPS", "choose", "load", "paged_attention", "store_kv"]
+class FastRows(NamedTuple):
+    """A backend's fast path for small forwards (a CPU's one-call forward), as the scheduler's time
+    budget needs to know it: past `limit` rows a step costs more than its rows say, and within it
+    the products' cost rises by whole vectors of `granule` rows (17 rows cost what 32 do; the step
+    cost model charges them so, engine/step_cost.py)."""
+    limit: int
+    granule: int
+
+
+__all__ = ["BACKENDS", "FastRows", "OPS", "choose", "load", "paged_attention", "store_kv"]

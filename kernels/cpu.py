@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from . import reference
+from . import FastRows, reference
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 HEADERS = (Path(__file__).with_name("cpu_pool.h"),)
@@ -35,7 +35,11 @@ FLAGS = (*CODE_FLAGS, "-march=native", "-shared", "-fPIC")      # the library fo
 # unpacked slice by slice, for int8 and int4 too (int4's integer kernel up to 96 rows made
 # prompts of 48-96 tokens 0.64-0.87x as fast as fp32 on the default model, 2026-11-26), except
 # where the build's integer kernels say they go further (pd_quant_max_rows: AVX-512 VNNI's).
-LINEAR_MAX_ROWS = 40
+# Three vectors of ROW_GRANULE rows: 41-48 rows cost what 40 did.
+LINEAR_MAX_ROWS = 48
+# Rows the products and the attention tiles take at a time (outer-product strips of 16 rows, TR in
+# cpu_kernels.c): 33 rows cost what 48 do.
+ROW_GRANULE = 16
 UNPACK_FLOATS = 1 << 22    # quantized weights unpacked for BLAS this many at a time (16 MB, one buffer)
 QBLOCK = 64                # activation quantization block of the int8 product (cpu_kernels.c)
 
@@ -263,7 +267,7 @@ class CpuKernels:
     its tensors suit the C code and falling back to the reference otherwise; split, the one
     interface would be scattered over files."""
 
-    FAST_ROWS = LINEAR_MAX_ROWS     # a forward of up to this many rows can be one C call (run_layers)
+    FAST_ROWS = FastRows(LINEAR_MAX_ROWS, ROW_GRANULE)    # a forward of up to this many rows can be one C call
 
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib

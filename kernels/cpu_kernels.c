@@ -483,7 +483,7 @@ static int vnni_outer(int format, const float *x, const uint8_t *w, const void *
 /* AVX2 has no dpbusd: its int8 dot product (maddubs on |q| and signed activations, two parts)
  * costs more than fp32's FMAs, and prompt rows ran at 0.46-0.72x fp32 (-march=haswell build, 1B
  * shape, 16-40 rows). From this many rows its weights are unpacked a block at a time for the fp32
- * outer-product kernel: the activations stay fp32, as above 40 rows (BLAS), so a prompt's numbers
+ * outer-product kernel: the activations stay fp32, as above 48 rows (BLAS), so a prompt's numbers
  * differ from a decode's by the activations' int8 rounding (~1e-5 of a block's largest value). */
 #define AVX2_U8_DEQUANT_ROWS 16
 

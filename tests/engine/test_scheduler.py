@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from pdchat.engine.block_manager import BlockManager
+from pdchat.kernels import FastRows
 from pdchat.engine.config import SamplingParams
 from pdchat.engine.scheduler import FIRST_SLICE, MIN_SLICE, Scheduler
 from pdchat.engine.sequence import Sequence, Status
@@ -278,9 +279,10 @@ def _decoding(sched: Scheduler, rid: str = "stream") -> Sequence:
     return s
 
 
-def _learned(per_token: float, per_pair: float, decode: float) -> StepCost:
-    """A cost model that has seen steps of a machine whose costs are exactly these."""
-    cost = StepCost(pair_ratio=per_pair / per_token)
+def _learned(per_token: float, per_pair: float, decode: float, granule: int = 1) -> StepCost:
+    """A cost model that has seen steps of a machine whose costs are exactly these (with no
+    decodes beside, so the tokens are the charged ones whatever the granule)."""
+    cost = StepCost(pair_ratio=per_pair / per_token if per_pair else 1e-3, granule=granule)
     for _ in range(5):
         cost.record_decode(decode)
     for start, n in ((0, 64), (500, 32), (1500, 48), (100, 200), (800, 16), (300, 100)):
@@ -361,18 +363,74 @@ def test_with_no_stream_to_protect_a_prompt_goes_whole_under_a_time_budget():
 
 
 def test_a_time_budgeted_slice_stays_within_the_kernels_fast_rows():
-    cost = _learned(1e-4, 1e-8, 0.025)           # cheap tokens: the budget alone would take hundreds
+    cost = _learned(1e-4, 1e-8, 0.025, granule=16)    # cheap tokens: the budget alone would take hundreds
     sched = make_scheduler(BlockManager(512, 16, prefix_cache=False), cost, max_num_seqs=8, chunk_size="auto",
-                           fast_rows=40)
+                           fast_rows=FastRows(48, 16))
     streams = [_decoding(sched, f"s{i}") for i in range(3)]
     sched.add(seq("new", 2000, start=100))
     plan = sched.schedule()
-    assert [i.num_tokens for i in plan.items] == [1, 1, 1, 37]     # 40 rows in all
+    assert [i.num_tokens for i in plan.items] == [1, 1, 1, 45]     # 48 rows in all
     assert all(i.seq is s for i, s in zip(plan.items, streams))
     unbounded = make_scheduler(BlockManager(512, 16, prefix_cache=False), cost, max_num_seqs=8, chunk_size="auto")
     _decoding(unbounded)
     unbounded.add(seq("new", 2000, start=100))
     assert next(i.num_tokens for i in unbounded.schedule().items if i.seq.request_id == "new") > 100
+
+
+@pytest.mark.parametrize("streams,budget_tokens,slice_tokens", [
+    (1, 20, 15),      # 21 rows would cost what 32 do: the slice ends at 16 rows
+    (1, 40, 31),
+    (1, 47, 47),      # 48 rows: the fast path's limit, three whole vectors
+    (1, 90, 47),
+    (3, 16, 13),      # MIN_SLICE's 16 tokens + 3 decodes = 19 rows: down to 16
+    (10, 16, 6),      # the decodes began a vector: the slice fills it
+    (16, 20, 16),
+])
+def test_a_time_budgeted_slice_ends_where_the_steps_rows_fill_a_vector(streams, budget_tokens, slice_tokens):
+    per_token, decode = 1e-3, 0.025
+    cost = _learned(per_token, 0.0, decode, granule=16)
+    # A budget whose prefill share is `budget_tokens` tokens at the start of the prompt (+ half a token).
+    budget = 1 + (budget_tokens + 0.5) * per_token / decode
+    sched = make_scheduler(BlockManager(1024, 16, prefix_cache=False), cost, step_budget=budget,
+                           max_num_seqs=32, chunk_size="auto", fast_rows=FastRows(48, 16))
+    for i in range(streams):
+        _decoding(sched, f"s{i}")
+    sched.add(seq("new", 500, start=100))
+    plan = sched.schedule()
+    assert [i.num_tokens for i in plan.items] == [1] * streams + [slice_tokens]
+
+
+def test_a_prompts_last_slice_is_what_is_left_whatever_the_vectors():
+    cost = _learned(1e-3, 0.0, 0.025, granule=16)
+    sched = make_scheduler(BlockManager(1024, 16, prefix_cache=False), cost, step_budget=1 + 40.5 / 25,
+                           max_num_seqs=8, chunk_size="auto", fast_rows=FastRows(48, 16))
+    _decoding(sched)
+    sched.add(seq("new", 51, start=100))
+    plan = sched.schedule()
+    assert [i.num_tokens for i in plan.items] == [1, 31]                # 32 rows
+    run(plan)
+    plan = sched.schedule()
+    assert [i.num_tokens for i in plan.items] == [1, 20]                # 21 rows: the rest of it
+
+
+def test_steps_past_the_fast_path_do_not_teach_the_slices_fit():
+    cost = _learned(1e-3, 1e-7, 0.025)
+    sched = make_scheduler(BlockManager(512, 16, prefix_cache=False), cost, max_num_seqs=8, chunk_size=64,
+                           fast_rows=FastRows(48, 16))
+    _decoding(sched)
+    sched.add(seq("new", 300, start=100))
+    slices = cost.coefficients()
+    plan = sched.schedule()
+    assert [i.num_tokens for i in plan.items] == [1, 63]              # a fixed chunk: 64 rows, op by op
+    sched.record(plan, 0.5, drafted=False)                             # far dearer per token than a slice
+    assert cost.coefficients() == slices
+    assert cost.coefficients(decoded=False) != slices
+    run(plan)
+    sched.chunk_size = 32
+    plan = sched.schedule()
+    assert [i.num_tokens for i in plan.items] == [1, 31]              # 32 rows: one call, a slice
+    sched.record(plan, 0.5, drafted=False)
+    assert cost.coefficients() != slices
 
 
 def test_the_cost_model_learns_decode_steps_without_drafts_and_every_prefill():

@@ -4,13 +4,47 @@ from __future__ import annotations
 import pytest
 
 from pdchat.engine.model_config import ModelConfig
-from pdchat.engine.step_cost import StepCost, attention_pairs, pair_flops_ratio
+from pdchat.engine.step_cost import StepCost, attention_pairs, charged_tokens, pair_flops_ratio
 
 
 def test_attention_pairs_count_each_token_seeing_itself_and_everything_before():
     assert attention_pairs(0, 1) == 1
     assert attention_pairs(0, 4) == 1 + 2 + 3 + 4
     assert attention_pairs(10, 2) == 11 + 12
+
+
+def test_rows_past_a_whole_vector_are_charged_as_one():
+    assert [charged_tokens(n, 1, 16) for n in (1, 15, 16, 31, 32)] == [15, 15, 31, 31, 47]
+    assert [charged_tokens(n, 10, 16) for n in (6, 7)] == [6, 22]    # the decodes' vector is free to fill
+    assert [charged_tokens(n, 0, 16) for n in (1, 16, 17)] == [16, 16, 32]
+    assert [charged_tokens(n, 3, 1) for n in (1, 17)] == [1, 17]        # no vectors: a token is a token
+
+
+def _vector_machine(per_token: float, per_pair: float, decode: float) -> StepCost:
+    """A cost model with rows by 16 that has seen a machine whose steps cost exactly this."""
+    cost = StepCost(pair_ratio=per_pair / per_token, granule=16)
+    for _ in range(3):
+        cost.record_decode(decode)
+    for start, n in ((0, 47), (47, 31), (78, 15), (93, 47), (140, 20), (160, 31), (500, 9), (900, 31)):
+        pairs = attention_pairs(start, n)
+        charged = charged_tokens(n, 1, 16)
+        cost.record_prefill(n, pairs, True, decode + per_token * charged + per_pair * pairs, other_rows=1)
+    return cost
+
+
+def test_by_vectors_a_slice_fills_its_last_vector_early_and_may_leave_it_part_full_late():
+    cost = _vector_machine(1e-3, 1e-6, 0.025)
+    assert cost.coefficients() == (pytest.approx(1e-3, rel=0.02), pytest.approx(1e-6, rel=0.05))
+    # Early, pairs cost little: 47 tokens (3 vectors with the decode) fit 52 ms, 48 would need a 4th.
+    assert cost.tokens_within(0.052, 0, other_rows=1) == 47
+    assert cost.tokens_within(0.052, 0, other_rows=1, most=40) == 40
+    # Late (from position 1,500 a token's pairs cost 1.5 ms): two vectors and 19 tokens' pairs fit
+    # 60 ms, 20 do not; 24, what a cost per token would allow, pay for 31 and do not either.
+    n = cost.tokens_within(0.060, 1500, other_rows=1)
+    assert n == 19
+    assert cost.prefill_seconds(1500, 19, other_rows=1) <= 0.060 < cost.prefill_seconds(1500, 20, other_rows=1)
+    assert cost.prefill_seconds(1500, 24, other_rows=1) > 0.060
+    assert cost.prefill_seconds(1500, 15, other_rows=1) < cost.prefill_seconds(1500, 19, other_rows=1)
 
 
 def test_the_fit_recovers_a_machines_costs_from_its_steps():

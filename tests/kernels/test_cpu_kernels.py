@@ -171,7 +171,7 @@ def test_int4_rows_of_any_width_are_computed(ops):
 @pytest.mark.parametrize("rows,width", [(8, 320), (17, 320), (cpu.LINEAR_MAX_ROWS, 320), (cpu.LINEAR_MAX_ROWS, 16384)])
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_a_prefill_slice_gets_the_numbers_of_its_rows_one_by_one(ops, fmt, rows, width):
-    """Up to 40 rows the builds multiply quantized weights in integers, by whichever kernel suits
+    """Up to LINEAR_MAX_ROWS (48) the builds multiply quantized weights in integers, by whichever kernel suits
     the row count (AVX-512 VNNI and AVX-VNNI: an outer-product one from 8 rows, which at 16,384
     wide takes the rows in two panels): the same quantized activations and exact integer sums as a
     decode's, so a prompt slice and the same tokens decoded one at a time agree to float rounding.
@@ -324,7 +324,7 @@ def test_long_query_runs_go_to_flash_sdpa(ops):
 
 def test_mixed_step_sends_each_sequence_to_its_kernel(ops):
     # decodes (C), a long chunk (SDPA), a verify (C), a verify over a long context (C, by tiles)
-    qlens, clens = [1, 48, 4, 1, 9], [30, 300, 90, 7, 1900]
+    qlens, clens = [1, 64, 4, 1, 9], [30, 300, 90, 7, 1900]
     assert [cpu.attention_in_c(n, c) for n, c in zip(qlens, clens)] == [True, False, True, True, True]
     batch = Batch(qlens, clens, 2, 3, 32, block_size=8, dtype=torch.float32)
     out = ops.paged_attention(*batch.args("cpu"), 0.2, query_lens_host=qlens, context_lens_host=clens)
@@ -332,8 +332,8 @@ def test_mixed_step_sends_each_sequence_to_its_kernel(ops):
 
 
 @pytest.mark.parametrize("qlens, clens", [
-    ([1, 1, 2, 48], [30, 7, 90, 300]),        # decodes then a chunk: each kernel's rows are one run
-    ([48, 1, 300, 1], [300, 30, 1200, 7]),    # interleaved: the rows are gathered
+    ([1, 1, 2, 64], [30, 7, 90, 300]),        # decodes then a chunk: each kernel's rows are one run
+    ([64, 1, 300, 1], [300, 30, 1200, 7]),    # interleaved: the rows are gathered
 ])
 def test_mixed_step_rows_in_one_run_or_interleaved(ops, qlens, clens):
     batch = Batch(qlens, clens, 2, 3, 32, block_size=8, dtype=torch.float32)
