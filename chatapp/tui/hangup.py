@@ -73,7 +73,7 @@ class HangupDriver(LinuxDriver):
 
     def __init__(self, app, **kwargs) -> None:
         super().__init__(app, **kwargs)
-        self._file = TerminalOutput(self._file, self._hang_up)
+        self._file = TerminalOutput(self._file, self._terminal_gone)
         self._posted = threading.Event()
         self._watching = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -84,7 +84,7 @@ class HangupDriver(LinuxDriver):
         self._loop.add_signal_handler(signal.SIGHUP, self._hang_up, "SIGHUP")
         self._loop.add_signal_handler(signal.SIGTERM, self._hang_up, "SIGTERM", 128 + signal.SIGTERM)
         self._watching.set()
-        threading.Thread(target=watch, args=(self.fileno, self._watching, self._hang_up), daemon=True,
+        threading.Thread(target=watch, args=(self.fileno, self._watching, self._terminal_gone), daemon=True,
                          name="pdchat-hangup").start()
 
     def _sigcont_application(self, *args) -> None:
@@ -104,6 +104,13 @@ class HangupDriver(LinuxDriver):
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_signal_handler(signal.SIGHUP)
             self._loop.remove_signal_handler(signal.SIGTERM)
+
+    def _terminal_gone(self, reason: str) -> None:
+        # Stop the input thread now: on a hung-up tty it spins (select says readable, read returns
+        # b""), taking a core and the GIL from the exit it is waiting for. (disable_input, at the
+        # exit, then finds it stopped and touches the dead terminal no more.)
+        self.exit_event.set()
+        self._hang_up(reason)
 
     def _hang_up(self, reason: str, exit_code: int = EXIT_CODE) -> None:
         if not self._posted.is_set():

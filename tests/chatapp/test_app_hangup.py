@@ -7,6 +7,7 @@ connection drops or the tmux session is killed.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import os
@@ -27,7 +28,7 @@ import pytest
 
 from textual.drivers._writer_thread import WriterThread
 
-from pdchat.chatapp.tui.hangup import EXIT_CODE, TerminalOutput, watch
+from pdchat.chatapp.tui.hangup import EXIT_CODE, HangupDriver, TerminalOutput, watch
 
 EXIT_S = 10.0        # the app ends in about a second; the bug was never ending at all
 
@@ -76,7 +77,11 @@ class Terminal:
         self.status: int | None = None             # the wait status, once reaped
 
     def read(self, timeout: float) -> None:
-        if self.master >= 0 and select.select([self.master], [], [], timeout)[0]:
+        """What the app drew within `timeout`; after the hang-up, only the wait (a test that spun
+        here took a core from the app's exit)."""
+        if self.master < 0:
+            time.sleep(timeout)
+        elif select.select([self.master], [], [], timeout)[0]:
             try:
                 self.screen += os.read(self.master, 65536)
             except OSError:                        # EIO: everything on the other side is closed
@@ -270,3 +275,35 @@ def test_the_writer_thread_outlives_a_dead_terminal():
         out.close()
     assert not drawing.is_alive(), "the writer thread died and the UI blocked on its full queue"
     assert heard and heard[0].startswith("write failed")
+
+
+def test_a_hang_up_stops_the_input_thread_that_would_spin_on_the_dead_terminal():
+    """On a hung-up tty Textual's input thread spins (select says readable, read returns b""),
+    taking a core and the GIL from the exit; once the hang-up is noticed it stops."""
+    master, slave = os.openpty()
+    posted: list[object] = []
+
+    class App:                                      # what the driver reaches of its app here
+        def post_message(self, message) -> None:
+            posted.append(message)
+
+    async def driver_on(fd: int) -> HangupDriver:
+        driver = HangupDriver(App())
+        driver.fileno = fd
+        return driver
+
+    driver = asyncio.run(driver_on(slave))
+    reader = threading.Thread(target=driver.run_input_thread, daemon=True)
+    reader.start()
+    watching = threading.Event()
+    watching.set()
+    try:
+        os.close(master)
+        watch(slave, watching, driver._terminal_gone)
+        reader.join(EXIT_S)
+        assert not reader.is_alive(), "the input thread still reads the dead terminal"
+        assert [type(m).__name__ for m in posted] == ["HangUp"]
+    finally:
+        driver.exit_event.set()
+        reader.join(EXIT_S)
+        os.close(slave)
