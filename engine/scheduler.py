@@ -127,28 +127,21 @@ class Scheduler:
         """What a step took, for the cost model: a decode-only step without drafts gives the decode
         time, a step with prompt tokens the cost of its prefill work."""
         if plan.prompt_tokens:
-            self.cost.record_prefill(plan.prompt_tokens, plan.prompt_pairs, self._ran_as_slice(plan), seconds,
+            self.cost.record_prefill(plan.prompt_tokens, plan.prompt_pairs,
+                                     _as_slice(plan.prompt_tokens, plan.num_decode_tokens, self.fast_rows), seconds,
                                      plan.num_decode_tokens)
         elif plan.decode_only and not drafted:
             self.cost.record_decode(seconds)
-
-    def _ran_as_slice(self, plan: StepPlan) -> bool:
-        """Whether a step's prompt work ran as a time-budgeted slice does: beside decodes and within
-        the fast path's rows. A fixed chunk past them runs op by op, as a lone prompt does, at another
-        cost per token (beside a decode, 64 tokens took 118-132 ms, 47 in one call 75): counted with
-        the slices it would skew the next ones' size for as long as the fit remembers it."""
-        rows = plan.prompt_tokens + plan.num_decode_tokens
-        return plan.num_decode_tokens > 0 and (self.fast_rows is None or rows <= self.fast_rows.limit)
 
     def _budget(self) -> "_PlanBuilder":
         """This step's budget: none unless someone is decoding; else tokens (a fixed chunk) or
         time (the prefill's share of step_budget decode steps, as the cost model predicts it)."""
         if not (self.streaming and self.kv_cache and self.chunk_size):
-            return _PlanBuilder(None, None, self.cost)
+            return _PlanBuilder(None, None, self.cost, self.fast_rows)
         if self.chunk_size != "auto":
-            return _PlanBuilder(self.chunk_size, None, self.cost)
+            return _PlanBuilder(self.chunk_size, None, self.cost, self.fast_rows)
         if self.cost.decode_s is None:
-            return _PlanBuilder(FIRST_SLICE, None, self.cost)
+            return _PlanBuilder(FIRST_SLICE, None, self.cost, self.fast_rows)
         return _PlanBuilder(None, self.cost.prompt_seconds(self.step_budget), self.cost, self.fast_rows)
 
     def _schedule_running(self, step: "_PlanBuilder") -> None:
@@ -213,6 +206,15 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
 
+def _as_slice(prompt_tokens: int, other_rows: int, fast_rows: FastRows | None) -> bool:
+    """Whether a step's prompt work runs as a time-budgeted slice does, so that the cost model's
+    fit of slices is the one to predict or learn it: beside decodes and within the fast path's
+    rows. A fixed chunk past them runs op by op, as a lone prompt does, at another cost per token
+    (beside a decode, 64 tokens took 118-132 ms, 47 in one call 75): counted with the slices it
+    would skew the next ones' size for as long as the fit remembers it."""
+    return other_rows > 0 and (fast_rows is None or prompt_tokens + other_rows <= fast_rows.limit)
+
+
 class _PlanBuilder:
     """A step's plan while it is being built: the items, the failed, and what the budget leaves of
     prompt tokens (`tokens`) or of predicted prefill seconds (`seconds`); neither: no budget, each
@@ -220,7 +222,7 @@ class _PlanBuilder:
 
     def __init__(self, tokens: int | None, seconds: float | None, cost: StepCost, rows: FastRows | None = None):
         self.tokens, self.seconds, self.cost = tokens, seconds, cost
-        self.rows = rows                            # a time budget's limits on the step's rows
+        self.rows = rows                            # the kernels' fast path (a time budget stays within it)
         self.items: list[ScheduledSeq] = []
         self.failed: list[Sequence] = []
         self._charged: dict[int, float] = {}       # id(item) -> predicted prefill seconds
@@ -279,6 +281,7 @@ class _PlanBuilder:
         if prompt:
             others = sum(i.num_tokens for i in self.items) - tokens
             charged = charged_tokens(tokens, others, self.cost.granule)
-            predicted = self.cost.step_seconds(self.cost.work_seconds(charged, pairs, others > 0))
+            predicted = self.cost.step_seconds(self.cost.work_seconds(charged, pairs,
+                                                                      _as_slice(tokens, others, self.rows)))
         return StepPlan(self.items, self.failed, tokens, pairs, predicted,
                         timed=self.seconds is not None and bool(prompt))

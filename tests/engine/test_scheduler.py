@@ -422,6 +422,8 @@ def test_steps_past_the_fast_path_do_not_teach_the_slices_fit():
     slices = cost.coefficients()
     plan = sched.schedule()
     assert [i.num_tokens for i in plan.items] == [1, 63]              # a fixed chunk: 64 rows, op by op
+    start = plan.items[1].start                                       # predicted as it is learned
+    assert plan.predicted_s == pytest.approx(cost.step_seconds(cost.prefill_seconds(start, 63, decoded=False)))
     sched.record(plan, 0.5, drafted=False)                             # far dearer per token than a slice
     assert cost.coefficients() == slices
     assert cost.coefficients(decoded=False) != slices
@@ -429,6 +431,7 @@ def test_steps_past_the_fast_path_do_not_teach_the_slices_fit():
     sched.chunk_size = 32
     plan = sched.schedule()
     assert [i.num_tokens for i in plan.items] == [1, 31]              # 32 rows: one call, a slice
+    assert plan.predicted_s == pytest.approx(cost.step_seconds(cost.prefill_seconds(plan.items[1].start, 31)))
     sched.record(plan, 0.5, drafted=False)
     assert cost.coefficients() != slices
 
