@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 
 from pdchat.engine.block_manager import BlockManager
-from pdchat.kernels import FastRows
 from pdchat.engine.config import SamplingParams
 from pdchat.engine.scheduler import FIRST_SLICE, MIN_SLICE, Scheduler
 from pdchat.engine.sequence import Sequence, Status
-from pdchat.engine.step_cost import StepCost, attention_pairs
+from pdchat.engine.step_cost import StepCost, attention_pairs, charged_tokens
+from pdchat.kernels import FastRows
 
 
 def make_scheduler(blocks: BlockManager, cost: StepCost | None = None, *, step_budget: float = 3.0,
@@ -280,14 +280,15 @@ def _decoding(sched: Scheduler, rid: str = "stream") -> Sequence:
 
 
 def _learned(per_token: float, per_pair: float, decode: float, granule: int = 1) -> StepCost:
-    """A cost model that has seen steps of a machine whose costs are exactly these (with no
-    decodes beside, so the tokens are the charged ones whatever the granule)."""
+    """A cost model that has seen steps of a machine whose costs are exactly these (rows paid by
+    whole vectors of `granule`)."""
     cost = StepCost(pair_ratio=per_pair / per_token if per_pair else 1e-3, granule=granule)
     for _ in range(5):
         cost.record_decode(decode)
     for start, n in ((0, 64), (500, 32), (1500, 48), (100, 200), (800, 16), (300, 100)):
         pairs = attention_pairs(start, n)
-        cost.record_prefill(n, pairs, True, decode + per_token * n + per_pair * pairs)
+        charged = charged_tokens(n, 0, granule)
+        cost.record_prefill(n, pairs, True, decode + per_token * charged + per_pair * pairs)
     return cost
 
 
