@@ -25,7 +25,7 @@ from pdchat.kernels import FastRows
 
 from .block_manager import BlockManager
 from .sequence import Sequence, Status
-from .step_cost import StepCost, attention_pairs, charged_tokens
+from .step_cost import StepCost, attention_pairs
 
 # A prompt slice is never smaller than this while any budget is left: below it a step runs far
 # below the prefill's efficiency (a CPU re-reads every weight for a handful of rows).
@@ -280,8 +280,8 @@ class _PlanBuilder:
         predicted = 0.0
         if prompt:
             others = sum(i.num_tokens for i in self.items) - tokens
-            charged = charged_tokens(tokens, others, self.cost.granule)
-            predicted = self.cost.step_seconds(self.cost.work_seconds(charged, pairs,
-                                                                      _as_slice(tokens, others, self.rows)))
+            sliced = _as_slice(tokens, others, self.rows)
+            predicted = self.cost.step_seconds(self.cost.work_seconds(self.cost.charged(tokens, others, sliced),
+                                                                      pairs, sliced))
         return StepPlan(self.items, self.failed, tokens, pairs, predicted,
                         timed=self.seconds is not None and bool(prompt))

@@ -12,8 +12,9 @@ coefficients are fitted online (least squares, recent steps weighted more), each
 towards a prior: a 16-token slice costing about a decode step, and a pair costing what the
 model's FLOPs say relative to a token.
 
-Where the kernels take rows by vectors (a CPU's products: 16 rows at a time) `tokens` are the
-charged ones: the step's rows rounded up to whole vectors, less its decodes' rows (`charged_tokens`).
+Where the kernels take rows by vectors (a CPU's products: 16 rows at a time) a slice's `tokens`
+are the charged ones: the step's rows rounded up to whole vectors, less its decodes' rows
+(`charged_tokens`; a whole prompt on BLAS is charged as it is).
 17 prompt tokens beside one decode cost what 31 do (measured at the start of a prompt, default
 model: the decode alone 26 ms, with 15 tokens 39, with 31 56, with 47 75); slices sized by tokens
 alone mostly ended inside a vector (39, 32, 16 tokens beside a decode: 40, 33, 17 rows).
@@ -96,8 +97,13 @@ class StepCost:
         when `decoded`, `other_rows` rows of them) in `seconds`."""
         if tokens > 0:
             work = seconds - (self.decode_s or 0.0) - self.fixed()
-            (self._beside if decoded else self._alone).add(charged_tokens(tokens, other_rows, self.granule), pairs,
+            (self._beside if decoded else self._alone).add(self.charged(tokens, other_rows, decoded), pairs,
                                                            max(work, 0.0))
+
+    def charged(self, tokens: int, other_rows: int, decoded: bool = True) -> int:
+        """The tokens a step's prompt work is charged for: by whole vectors for slices beside
+        decodes (the kernels' fast path), as they are elsewhere (a whole prompt on BLAS)."""
+        return charged_tokens(tokens, other_rows, self.granule) if decoded else tokens
 
     def prompt_seconds(self, step_budget: float) -> float:
         """Seconds of prompt work a step beside decodes may take: the budget's share past its
@@ -117,11 +123,10 @@ class StepCost:
     def prefill_seconds(self, start: int, tokens: int, decoded: bool = True, other_rows: int = 0) -> float:
         """Predicted cost of prefilling `tokens` tokens from position `start` within a step that
         has `other_rows` rows besides."""
-        return self.work_seconds(charged_tokens(tokens, other_rows, self.granule),
-                                 attention_pairs(start, tokens), decoded)
+        return self.work_seconds(self.charged(tokens, other_rows, decoded), attention_pairs(start, tokens), decoded)
 
     def work_seconds(self, charged: int, pairs: int, decoded: bool = True) -> float:
-        """Predicted prompt work of `charged` tokens (charged_tokens) scoring `pairs` pairs."""
+        """Predicted prompt work of `charged` tokens (StepCost.charged) scoring `pairs` pairs."""
         per_token, per_pair = self.coefficients(decoded)
         return per_token * charged + per_pair * pairs
 

@@ -47,6 +47,15 @@ def test_by_vectors_a_slice_fills_its_last_vector_early_and_may_leave_it_part_fu
     assert cost.prefill_seconds(1500, 15, other_rows=1) < cost.prefill_seconds(1500, 19, other_rows=1)
 
 
+def test_a_whole_prompt_is_charged_by_its_tokens_whatever_the_vectors():
+    cost = StepCost(pair_ratio=1e-4, granule=16)            # (BLAS takes it, not the vector kernels)
+    for n in (17, 100, 250, 1000, 33):
+        pairs = attention_pairs(0, n)
+        cost.record_prefill(n, pairs, False, 1e-3 * n + 1e-7 * pairs)
+    assert cost.coefficients(decoded=False) == (pytest.approx(1e-3, rel=0.01), pytest.approx(1e-7, rel=0.05))
+    assert cost.prefill_seconds(0, 17, decoded=False) == pytest.approx(0.017 + 1e-7 * attention_pairs(0, 17), rel=0.01)
+
+
 def test_the_fit_recovers_a_machines_costs_from_its_steps():
     per_token, per_pair, decode = 1.2e-3, 4e-7, 0.025
     cost = StepCost(pair_ratio=1e-3)            # a prior ratio off by 3x: the data must win
