@@ -81,10 +81,9 @@ class Engine:
         pool_bytes = self.kv_bytes_per_token + self.speculative.kv_bytes_per_token(cfg.spec)
         num_blocks = kv_pool_blocks(cfg, self.device, pool_bytes, self.max_model_len)
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_cache)
-        granule = self.ops.fast_rows.granule if self.ops.fast_rows else 1
-        self.scheduler = Scheduler(self.blocks, StepCost(pair_flops_ratio(mc), granule), max_num_seqs=cfg.max_num_seqs,
-                                   chunk_size=cfg.chunk_size, step_budget=cfg.step_budget, kv_cache=cfg.kv_cache,
-                                   fast_rows=self.ops.fast_rows)
+        self.scheduler = Scheduler(self.blocks, StepCost(pair_flops_ratio(mc), self.ops.fast_rows),
+                                   max_num_seqs=cfg.max_num_seqs, chunk_size=cfg.chunk_size,
+                                   step_budget=cfg.step_budget, kv_cache=cfg.kv_cache)
         self.runner = ModelRunner(self.loaded.model, mc, self.device, self.dtype, num_blocks, cfg.block_size,
                                   self.max_model_len)
         if self.device.type == "cuda" and self.ops.name == "triton":

@@ -72,13 +72,13 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, cost: StepCost, *, max_num_seqs: int, chunk_size: int | str | None,
-                 step_budget: float, kv_cache: bool = True, fast_rows: FastRows | None = None):
+                 step_budget: float, kv_cache: bool = True):
         self.blocks = blocks
-        self.cost = cost                      # learned step times (the engine records each step)
-        # The kernels' fast path (a CPU's one-call forward): a time-budgeted slice stops at its
-        # rows, past which a step cost ~2x what its rows say (measured: a 44-token slice 109-137 ms
-        # where 62-75 were planned, when the path ended at 40 rows).
-        self.fast_rows = fast_rows
+        # Learned step times (the engine records each step), and the kernels' fast path
+        # (cost.fast_rows): a time-budgeted slice stops at its rows, past which a step cost ~2x what
+        # its rows say (measured: a 44-token slice 109-137 ms where 62-75 were planned, when the
+        # path ended at 40 rows).
+        self.cost = cost
         self.max_num_seqs = max_num_seqs
         self.chunk_size = chunk_size          # "auto": time budget; N: N tokens; None: prompts whole
         self.step_budget = step_budget        # a step's time while others decode, in decode steps
@@ -128,7 +128,7 @@ class Scheduler:
         time, a step with prompt tokens the cost of its prefill work."""
         if plan.prompt_tokens:
             self.cost.record_prefill(plan.prompt_tokens, plan.prompt_pairs,
-                                     _as_slice(plan.prompt_tokens, plan.num_decode_tokens, self.fast_rows), seconds,
+                                     _as_slice(plan.prompt_tokens, plan.num_decode_tokens, self.cost.fast_rows), seconds,
                                      plan.num_decode_tokens)
         elif plan.decode_only and not drafted:
             self.cost.record_decode(seconds)
@@ -137,12 +137,12 @@ class Scheduler:
         """This step's budget: none unless someone is decoding; else tokens (a fixed chunk) or
         time (the prefill's share of step_budget decode steps, as the cost model predicts it)."""
         if not (self.streaming and self.kv_cache and self.chunk_size):
-            return _PlanBuilder(None, None, self.cost, self.fast_rows)
+            return _PlanBuilder(None, None, self.cost)
         if self.chunk_size != "auto":
-            return _PlanBuilder(self.chunk_size, None, self.cost, self.fast_rows)
+            return _PlanBuilder(self.chunk_size, None, self.cost)
         if self.cost.decode_s is None:
-            return _PlanBuilder(FIRST_SLICE, None, self.cost, self.fast_rows)
-        return _PlanBuilder(None, self.cost.prompt_seconds(self.step_budget), self.cost, self.fast_rows)
+            return _PlanBuilder(FIRST_SLICE, None, self.cost)
+        return _PlanBuilder(None, self.cost.prompt_seconds(self.step_budget), self.cost)
 
     def _schedule_running(self, step: "_PlanBuilder") -> None:
         for seq in sorted(self.running, key=lambda s: s.num_uncomputed > 1):
@@ -220,9 +220,8 @@ class _PlanBuilder:
     prompt tokens (`tokens`) or of predicted prefill seconds (`seconds`); neither: no budget, each
     prompt in one piece. Decodes are not charged to a time budget: it is their step to begin with."""
 
-    def __init__(self, tokens: int | None, seconds: float | None, cost: StepCost, rows: FastRows | None = None):
+    def __init__(self, tokens: int | None, seconds: float | None, cost: StepCost):
         self.tokens, self.seconds, self.cost = tokens, seconds, cost
-        self.rows = rows                            # the kernels' fast path (a time budget stays within it)
         self.items: list[ScheduledSeq] = []
         self.failed: list[Sequence] = []
         self._charged: dict[int, float] = {}       # id(item) -> predicted prefill seconds
@@ -242,7 +241,8 @@ class _PlanBuilder:
             if n == 1:
                 return 1
             planned = sum(i.num_tokens for i in self.items)     # (the decodes are planned first)
-            most = None if self.rows is None else max(self.rows.limit - planned, 1)
+            rows = self.cost.fast_rows
+            most = None if rows is None else max(rows.limit - planned, 1)
             fits = self.cost.tokens_within(self.seconds, seq.num_computed_tokens, planned, most)
             return min(n, max(fits, self._min_slice(planned)), most or n)
         return n if self.tokens is None else min(n, max(self.tokens, 1))
@@ -280,7 +280,7 @@ class _PlanBuilder:
         predicted = 0.0
         if prompt:
             others = sum(i.num_tokens for i in self.items) - tokens
-            sliced = _as_slice(tokens, others, self.rows)
+            sliced = _as_slice(tokens, others, self.cost.fast_rows)
             predicted = self.cost.step_seconds(self.cost.work_seconds(self.cost.charged(tokens, others, sliced),
                                                                       pairs, sliced))
         return StepPlan(self.items, self.failed, tokens, pairs, predicted,

@@ -44,6 +44,8 @@ import math
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
+    from pdchat.kernels import FastRows
+
     from .model_config import ModelConfig
 
 DECAY = 0.9              # weight of an observation after each newer one (the fit follows the machine)
@@ -71,16 +73,16 @@ def charged_tokens(tokens: int, other_rows: int, granule: int) -> int:
     kernels that take rows `granule` at a time: the rows past the last whole vector are paid as a
     whole vector (a slice of 17 tokens beside one decode costs what 31 do), the vector the other
     rows began is free to fill."""
-    if granule <= 1:
-        return tokens
     vectors = -(-(tokens + other_rows) // granule)
-    return max(vectors * granule - other_rows, tokens)
+    return vectors * granule - other_rows
 
 
 class StepCost:
-    def __init__(self, pair_ratio: float, granule: int = 1):
+    def __init__(self, pair_ratio: float, fast_rows: "FastRows | None" = None):
         self.pair_ratio = pair_ratio
-        self.granule = granule          # rows the kernels' products take at a time (kernels.FastRows)
+        # The kernels' fast path (a CPU's one-call forward): the scheduler keeps a time-budgeted
+        # slice within its rows, and this model charges a slice's rows by its vectors.
+        self.fast_rows = fast_rows
         self.decode_s: float | None = None          # a decode-only step, recent average
         # What a step with prompt tokens costs beyond a decode step whatever its tokens (seconds;
         # the engine wires in the CUDA graphs' measurement, else none)
@@ -99,6 +101,11 @@ class StepCost:
             work = seconds - (self.decode_s or 0.0) - self.fixed()
             (self._beside if decoded else self._alone).add(self.charged(tokens, other_rows, decoded), pairs,
                                                            max(work, 0.0))
+
+    @property
+    def granule(self) -> int:
+        """Rows the kernels' products take at a time (1: any count costs by the row)."""
+        return self.fast_rows.granule if self.fast_rows else 1
 
     def charged(self, tokens: int, other_rows: int, decoded: bool = True) -> int:
         """The tokens a step's prompt work is charged for: by whole vectors for slices beside

@@ -279,15 +279,18 @@ def _decoding(sched: Scheduler, rid: str = "stream") -> Sequence:
     return s
 
 
-def _learned(per_token: float, per_pair: float, decode: float, granule: int = 1) -> StepCost:
+CPU_ROWS = FastRows(48, 16)       # a CPU's fast path: one call up to 48 rows, taken 16 at a time
+
+
+def _learned(per_token: float, per_pair: float, decode: float, fast_rows: FastRows | None = None) -> StepCost:
     """A cost model that has seen steps of a machine whose costs are exactly these (rows paid by
-    whole vectors of `granule`)."""
-    cost = StepCost(pair_ratio=per_pair / per_token if per_pair else 1e-3, granule=granule)
+    whole vectors where the kernels have them)."""
+    cost = StepCost(pair_ratio=per_pair / per_token if per_pair else 1e-3, fast_rows=fast_rows)
     for _ in range(5):
         cost.record_decode(decode)
     for start, n in ((0, 64), (500, 32), (1500, 48), (100, 200), (800, 16), (300, 100)):
         pairs = attention_pairs(start, n)
-        charged = charged_tokens(n, 0, granule)
+        charged = charged_tokens(n, 0, cost.granule)
         cost.record_prefill(n, pairs, True, decode + per_token * charged + per_pair * pairs)
     return cost
 
@@ -364,15 +367,15 @@ def test_with_no_stream_to_protect_a_prompt_goes_whole_under_a_time_budget():
 
 
 def test_a_time_budgeted_slice_stays_within_the_kernels_fast_rows():
-    cost = _learned(1e-4, 1e-8, 0.025, granule=16)    # cheap tokens: the budget alone would take hundreds
-    sched = make_scheduler(BlockManager(512, 16, prefix_cache=False), cost, max_num_seqs=8, chunk_size="auto",
-                           fast_rows=FastRows(48, 16))
+    cost = _learned(1e-4, 1e-8, 0.025, CPU_ROWS)      # cheap tokens: the budget alone would take hundreds
+    sched = make_scheduler(BlockManager(512, 16, prefix_cache=False), cost, max_num_seqs=8, chunk_size="auto")
     streams = [_decoding(sched, f"s{i}") for i in range(3)]
     sched.add(seq("new", 2000, start=100))
     plan = sched.schedule()
     assert [i.num_tokens for i in plan.items] == [1, 1, 1, 45]     # 48 rows in all
     assert all(i.seq is s for i, s in zip(plan.items, streams))
-    unbounded = make_scheduler(BlockManager(512, 16, prefix_cache=False), cost, max_num_seqs=8, chunk_size="auto")
+    unbounded = make_scheduler(BlockManager(512, 16, prefix_cache=False), _learned(1e-4, 1e-8, 0.025),
+                               max_num_seqs=8, chunk_size="auto")
     _decoding(unbounded)
     unbounded.add(seq("new", 2000, start=100))
     assert next(i.num_tokens for i in unbounded.schedule().items if i.seq.request_id == "new") > 100
@@ -389,11 +392,11 @@ def test_a_time_budgeted_slice_stays_within_the_kernels_fast_rows():
 ])
 def test_a_time_budgeted_slice_ends_where_the_steps_rows_fill_a_vector(streams, budget_tokens, slice_tokens):
     per_token, decode = 1e-3, 0.025
-    cost = _learned(per_token, 0.0, decode, granule=16)
+    cost = _learned(per_token, 0.0, decode, CPU_ROWS)
     # A budget whose prefill share is `budget_tokens` tokens at the start of the prompt (+ half a token).
     budget = 1 + (budget_tokens + 0.5) * per_token / decode
     sched = make_scheduler(BlockManager(1024, 16, prefix_cache=False), cost, step_budget=budget,
-                           max_num_seqs=32, chunk_size="auto", fast_rows=FastRows(48, 16))
+                           max_num_seqs=32, chunk_size="auto")
     for i in range(streams):
         _decoding(sched, f"s{i}")
     sched.add(seq("new", 500, start=100))
@@ -402,9 +405,9 @@ def test_a_time_budgeted_slice_ends_where_the_steps_rows_fill_a_vector(streams, 
 
 
 def test_a_prompts_last_slice_is_what_is_left_whatever_the_vectors():
-    cost = _learned(1e-3, 0.0, 0.025, granule=16)
+    cost = _learned(1e-3, 0.0, 0.025, CPU_ROWS)
     sched = make_scheduler(BlockManager(1024, 16, prefix_cache=False), cost, step_budget=1 + 40.5 / 25,
-                           max_num_seqs=8, chunk_size="auto", fast_rows=FastRows(48, 16))
+                           max_num_seqs=8, chunk_size="auto")
     _decoding(sched)
     sched.add(seq("new", 51, start=100))
     plan = sched.schedule()
@@ -415,9 +418,8 @@ def test_a_prompts_last_slice_is_what_is_left_whatever_the_vectors():
 
 
 def test_steps_past_the_fast_path_do_not_teach_the_slices_fit():
-    cost = _learned(1e-3, 1e-7, 0.025)
-    sched = make_scheduler(BlockManager(512, 16, prefix_cache=False), cost, max_num_seqs=8, chunk_size=64,
-                           fast_rows=FastRows(48, 16))
+    cost = _learned(1e-3, 1e-7, 0.025, CPU_ROWS)
+    sched = make_scheduler(BlockManager(512, 16, prefix_cache=False), cost, max_num_seqs=8, chunk_size=64)
     _decoding(sched)
     sched.add(seq("new", 300, start=100))
     slices = cost.coefficients()
@@ -432,7 +434,8 @@ def test_steps_past_the_fast_path_do_not_teach_the_slices_fit():
     sched.chunk_size = 32
     plan = sched.schedule()
     assert [i.num_tokens for i in plan.items] == [1, 31]              # 32 rows: one call, a slice
-    assert plan.predicted_s == pytest.approx(cost.step_seconds(cost.prefill_seconds(plan.items[1].start, 31)))
+    assert plan.predicted_s == pytest.approx(cost.step_seconds(cost.prefill_seconds(plan.items[1].start, 31,
+                                                                                    other_rows=1)))
     sched.record(plan, 0.5, drafted=False)
     assert cost.coefficients() != slices
 

@@ -5,6 +5,7 @@ import pytest
 
 from pdchat.engine.model_config import ModelConfig
 from pdchat.engine.step_cost import StepCost, attention_pairs, charged_tokens, pair_flops_ratio
+from pdchat.kernels import FastRows
 
 
 def test_attention_pairs_count_each_token_seeing_itself_and_everything_before():
@@ -22,7 +23,7 @@ def test_rows_past_a_whole_vector_are_charged_as_one():
 
 def _vector_machine(per_token: float, per_pair: float, decode: float) -> StepCost:
     """A cost model with rows by 16 that has seen a machine whose steps cost exactly this."""
-    cost = StepCost(pair_ratio=per_pair / per_token, granule=16)
+    cost = StepCost(pair_ratio=per_pair / per_token, fast_rows=FastRows(48, 16))
     for _ in range(3):
         cost.record_decode(decode)
     for start, n in ((0, 47), (47, 31), (78, 15), (93, 47), (140, 20), (160, 31), (500, 9), (900, 31)):
@@ -48,7 +49,7 @@ def test_by_vectors_a_slice_fills_its_last_vector_early_and_may_leave_it_part_fu
 
 
 def test_a_whole_prompt_is_charged_by_its_tokens_whatever_the_vectors():
-    cost = StepCost(pair_ratio=1e-4, granule=16)            # (BLAS takes it, not the vector kernels)
+    cost = StepCost(pair_ratio=1e-4, fast_rows=FastRows(48, 16))   # (BLAS takes it, not the vector kernels)
     for n in (17, 100, 250, 1000, 33):
         pairs = attention_pairs(0, n)
         cost.record_prefill(n, pairs, False, 1e-3 * n + 1e-7 * pairs)
