@@ -34,7 +34,8 @@ FLAGS = (*CODE_FLAGS, "-march=native", "-shared", "-fPIC")      # the library fo
 # Above this BLAS's matrix-matrix products win (measured, README), for fp32 and, on weights
 # unpacked slice by slice, for int8 and int4 too (int4's integer kernel up to 96 rows made
 # prompts of 48-96 tokens 0.64-0.87x as fast as fp32 on the default model, 2026-11-26), except
-# where the build's integer kernels say they go further (pd_quant_max_rows: AVX-512 VNNI's).
+# where the build's integer kernels say they go further (pd_quant_max_rows: the VNNI builds', all
+# the way).
 # Three vectors of ROW_GRANULE rows: 41-48 rows cost what 40 did.
 LINEAR_MAX_ROWS = 48
 # Rows the products and the attention tiles take at a time (outer-product strips of 16 rows, TR in
@@ -161,7 +162,7 @@ _SIGNATURES = {
     "pd_linear_q4": ([_P, _P, _P, _P, _P, _I, _I, _I, _I], _I),
     "pd_unpack_q4": ([_P, _P, _P, _I, _I, _I], None),
     "pd_unpack_u8": ([_P, _P, _P, _I, _I, _I], None),
-    "pd_quant_max_rows": ([_I], _I),
+    "pd_quant_max_rows": ([], _I),
     "pd_u8_dequant_rows": ([], _I),
     "pd_rms_norm": ([_P, _P, _P, _I, _I, _F, _I], None),
     "pd_add_rms_norm": ([_P, _P, _P, _P, _I, _I, _F, _I], None),
@@ -272,9 +273,8 @@ class CpuKernels:
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
         self.sliced = SlicedBlas()                  # quantized products of long prefills
-        # rows up to which the C int8 / int4 products beat BLAS on unpacked weights
-        self.int8_max_rows = max(LINEAR_MAX_ROWS, lib.pd_quant_max_rows(WEIGHTS_INT8))
-        self.int4_max_rows = max(LINEAR_MAX_ROWS, lib.pd_quant_max_rows(WEIGHTS_INT4))
+        # rows up to which the C int8 and int4 products beat BLAS on unpacked weights
+        self.quant_max_rows = max(LINEAR_MAX_ROWS, lib.pd_quant_max_rows())
         self._split: tuple[torch.Tensor, list[KernelShare]] | None = None   # this forward's (paged_attention)
 
     # -- helpers -------------------------------------------------------------------------------
@@ -317,7 +317,7 @@ class CpuKernels:
                     bias: torch.Tensor | None = None) -> torch.Tensor:
         if packed.dtype != torch.uint8 or not self._ok(x, bias):
             return reference.linear_int8(x, packed, scales, bias)
-        if x.shape[0] > self.int8_max_rows:
+        if x.shape[0] > self.quant_max_rows:
             # A long prefill is compute-bound: BLAS beats the integer kernel there (measured, README),
             # on weights unpacked in C on the pool (torch's element-wise passes cost a sixth of it).
             def unpack(n0: int, n1: int, out: torch.Tensor) -> None:
@@ -338,7 +338,7 @@ class CpuKernels:
         if not self._ok(x, bias) or packed.device.type != "cpu" or params.dtype != torch.bfloat16:
             return reference.linear_int4(x, packed, params, bias)
         N, K = packed.shape[0], packed.shape[1] * 2
-        if x.shape[0] > self.int4_max_rows:
+        if x.shape[0] > self.quant_max_rows:
             # As for int8, unpacked in C on the pool (torch's element-wise unpacking took longer
             # than the product).
             def unpack(n0: int, n1: int, out: torch.Tensor) -> None:

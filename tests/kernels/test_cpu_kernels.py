@@ -198,10 +198,32 @@ def test_a_prefill_slice_gets_the_numbers_of_its_rows_one_by_one(ops, fmt, rows,
         assert (together - one_by_one).abs().max() < 2e-6 * one_by_one.abs().max()
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_whole_prompt_in_integers_gets_the_numbers_of_its_rows_one_by_one(ops, fmt):
+    """Where a build multiplies whole prompts in integers (pd_quant_max_rows: the VNNI ones), its
+    tiles go by panels of activation rows, blocks of 64 weight rows and chunks of 256 bytes of K,
+    with the sums kept between chunks. 150 rows (panels of 32 int8 rows at this width, 96 int4),
+    133 weight rows (three blocks, the last with a ragged tile) and a width of 4,160 (sixteen
+    chunks and a short one) still give every row what it gets decoded alone."""
+    rows, width, out_rows = 150, 4160, 133
+    if ops.quant_max_rows < rows:
+        pytest.skip("this build multiplies long prompts on weights unpacked for BLAS (the next test)")
+    w = rand(out_rows, width, seed=31) * torch.linspace(0.1, 2, out_rows)[:, None] * 0.05
+    x, bias = rand(rows, width, seed=32), rand(out_rows, seed=33)
+    if fmt == "int8":
+        packed, scales = ops.pack_int8(*quantize(w), torch.float32)
+        product = lambda v: ops.linear_int8(v, packed, scales, bias)     # noqa: E731
+    else:
+        packed, scales = quantize4(w)
+        product = lambda v: ops.linear_int4(v, packed, scales, bias)     # noqa: E731
+    one_by_one = torch.cat([product(x[i:i + 1]) for i in range(rows)])
+    assert (product(x) - one_by_one).abs().max() < 2e-6 * one_by_one.abs().max()
+
+
 @pytest.mark.parametrize("slice_rows", [None, 7])          # None: one slice; 7: eleven and a ragged end
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_prefill_sized_quantized_products_unpack_to_blas_slice_by_slice(ops, fmt, slice_rows, monkeypatch):
-    limit = ops.int8_max_rows if fmt == "int8" else ops.int4_max_rows
+    limit = ops.quant_max_rows
     if limit >= 1 << 20:
         pytest.skip(f"this build multiplies {fmt} weights in integers at every row count (pd_quant_max_rows)")
     if slice_rows is not None:
