@@ -201,9 +201,9 @@ def test_a_prefill_slice_gets_the_numbers_of_its_rows_one_by_one(ops, fmt, rows,
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_a_whole_prompt_in_integers_gets_the_numbers_of_its_rows_one_by_one(ops, fmt):
     """Where a build multiplies whole prompts in integers (pd_quant_max_rows: the VNNI ones), its
-    tiles go by panels of activation rows, blocks of 64 weight rows and chunks of 256 bytes of K,
+    tiles go by panels of activation rows, blocks of 64 weight rows and chunks of 512 bytes of K,
     with the sums kept between chunks. 150 rows (panels of 32 int8 rows at this width, 96 int4),
-    133 weight rows (three blocks, the last with a ragged tile) and a width of 4,160 (sixteen
+    133 weight rows (three blocks, the last with a ragged tile) and a width of 4,160 (eight
     chunks and a short one) still give every row what it gets decoded alone."""
     rows, width, out_rows = 150, 4160, 133
     if ops.quant_max_rows < rows:
