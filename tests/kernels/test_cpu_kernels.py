@@ -168,6 +168,15 @@ def test_int4_rows_of_any_width_are_computed(ops):
                                atol=1e-4 * want.abs().max().item())
 
 
+def quantized_product(ops, fmt: str, w: torch.Tensor, bias: torch.Tensor):
+    """x -> x @ w^T + bias on w quantized to `fmt` as the engine stores it, and that stored form."""
+    if fmt == "int8":
+        packed, scales = ops.pack_int8(*quantize(w), torch.float32)
+        return (lambda v: ops.linear_int8(v, packed, scales, bias)), packed, scales
+    packed, params = quantize4(w)
+    return (lambda v: ops.linear_int4(v, packed, params, bias)), packed, params
+
+
 @pytest.mark.parametrize("rows,width", [(8, 320), (17, 320), (cpu.LINEAR_MAX_ROWS, 320), (cpu.LINEAR_MAX_ROWS, 16384)])
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_a_prefill_slice_gets_the_numbers_of_its_rows_one_by_one(ops, fmt, rows, width):
@@ -180,12 +189,7 @@ def test_a_prefill_slice_gets_the_numbers_of_its_rows_one_by_one(ops, fmt, rows,
     w = rand(37, width, seed=21) * torch.linspace(0.1, 2, 37)[:, None] * 0.05    # 37: a ragged tile
     x, bias = rand(rows, width, seed=22), rand(37, seed=23)
     x[:, 5] *= 40
-    if fmt == "int8":
-        packed, scales = ops.pack_int8(*quantize(w), torch.float32)
-        product = lambda v: ops.linear_int8(v, packed, scales, bias)     # noqa: E731
-    else:
-        packed, scales = quantize4(w)
-        product = lambda v: ops.linear_int4(v, packed, scales, bias)     # noqa: E731
+    product, packed, scales = quantized_product(ops, fmt, w, bias)
     together = product(x)
     one_by_one = torch.cat([product(x[i:i + 1]) for i in range(rows)])
     dequantized_from = ops.lib.pd_u8_dequant_rows() if fmt == "int8" else 0
@@ -210,12 +214,7 @@ def test_a_whole_prompt_in_integers_gets_the_numbers_of_its_rows_one_by_one(ops,
         pytest.skip("this build multiplies long prompts on weights unpacked for BLAS (the next test)")
     w = rand(out_rows, width, seed=31) * torch.linspace(0.1, 2, out_rows)[:, None] * 0.05
     x, bias = rand(rows, width, seed=32), rand(out_rows, seed=33)
-    if fmt == "int8":
-        packed, scales = ops.pack_int8(*quantize(w), torch.float32)
-        product = lambda v: ops.linear_int8(v, packed, scales, bias)     # noqa: E731
-    else:
-        packed, scales = quantize4(w)
-        product = lambda v: ops.linear_int4(v, packed, scales, bias)     # noqa: E731
+    product, _, _ = quantized_product(ops, fmt, w, bias)
     one_by_one = torch.cat([product(x[i:i + 1]) for i in range(rows)])
     assert (product(x) - one_by_one).abs().max() < 2e-6 * one_by_one.abs().max()
 
