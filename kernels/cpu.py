@@ -318,8 +318,9 @@ class CpuKernels:
         if packed.dtype != torch.uint8 or not self._ok(x, bias):
             return reference.linear_int8(x, packed, scales, bias)
         if x.shape[0] > self.quant_max_rows:
-            # A long prefill is compute-bound: BLAS beats the integer kernel there (measured, README),
-            # on weights unpacked in C on the pool (torch's element-wise passes cost a sixth of it).
+            # A long prefill on a build without VNNI: BLAS beats its integer kernel there (measured,
+            # README), on weights unpacked in C on the pool (torch's element-wise passes cost a sixth
+            # of it).
             def unpack(n0: int, n1: int, out: torch.Tensor) -> None:
                 self.lib.pd_unpack_u8(packed[n0].data_ptr(), scales[n0].data_ptr(), out.data_ptr(), n1 - n0,
                                       packed.shape[1], torch.get_num_threads())
