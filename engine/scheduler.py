@@ -127,9 +127,8 @@ class Scheduler:
         """What a step took, for the cost model: a decode-only step without drafts gives the decode
         time, a step with prompt tokens the cost of its prefill work."""
         if plan.prompt_tokens:
-            self.cost.record_prefill(plan.prompt_tokens, plan.prompt_pairs,
-                                     _as_slice(plan.prompt_tokens, plan.num_decode_tokens, self.cost.fast_rows), seconds,
-                                     plan.num_decode_tokens)
+            sliced = _as_slice(plan.prompt_tokens, plan.num_decode_tokens, self.cost.fast_rows)
+            self.cost.record_prefill(plan.prompt_tokens, plan.prompt_pairs, sliced, seconds, plan.num_decode_tokens)
         elif plan.decode_only and not drafted:
             self.cost.record_decode(seconds)
 

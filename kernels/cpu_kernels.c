@@ -1095,8 +1095,8 @@ static inline void outer_store(const struct vnni_outer_job *j, const fvec *f, in
 #define OUTER_KC 512
 #define OUTER_NC 64
 
-/* A tile's sums after K's blocks up to `last`: into y (outer_store) once every block is in, else
- * kept in part (weight row r, vector v at part + r * pstride + v * OUTER_LANES) for the next chunk. */
+/* A tile's sums: into y (outer_store) once K's last block is in (`last`), else kept in part
+ * (weight row r, vector v at part + r * pstride + v * OUTER_LANES) for the next chunk. */
 static inline void tile_done(const struct vnni_outer_job *j, const fvec *f, int R, int V, int n0, int m0,
                              int last, float *part, int64_t pstride) {
     if (last) {
@@ -1259,7 +1259,7 @@ static void q4_outer_chunk(const struct vnni_outer_job *j, const struct outer_ch
     }
 }
 
-/* The block's weight rows [n0, n1) over the chunk's groups [g0, g1) to one byte a weight in k
+/* The block's weight rows [n0, n1) over the chunk's groups [k0, k1) to one byte a weight in k
  * order (u, OUTER_KC bytes a row) and their params as floats (dm). */
 static void q4_outer_unpack(const struct vnni_outer_job *j, const struct outer_chunk *c, uint8_t *u, float *dm) {
     int ng = j->K / Q4_GROUP;
@@ -1287,9 +1287,9 @@ static void vnni_outer_rows(const void *p, int lo, int hi) {
     const struct vnni_outer_job *j = p;
     int int8 = j->format == OUTER_U8, panel = outer_panel(j, int8 ? 2 : 1);
     int per_chunk = OUTER_KC / (int8 ? QBLOCK : Q4_GROUP), chunks = j->K / (int8 ? QBLOCK : Q4_GROUP);
-    size_t part_bytes = sizeof(float) * OUTER_NC * panel;
-    size_t dm_bytes = sizeof(float) * 2 * OUTER_NC * (OUTER_KC / Q4_GROUP);
-    float *part = thread_scratch(part_bytes + (int8 ? 0 : dm_bytes + (size_t)OUTER_NC * OUTER_KC));
+    /* the sums, then int4's unpacked chunk (dm, u: 40 KB, unused by int8) */
+    size_t floats = (size_t)OUTER_NC * panel + 2 * OUTER_NC * (OUTER_KC / Q4_GROUP);
+    float *part = thread_scratch(sizeof(float) * floats + (size_t)OUTER_NC * OUTER_KC);
     if (!part) {
         __atomic_store_n(j->failed, 1, __ATOMIC_RELAXED);
         return;
