@@ -87,7 +87,8 @@ class Engine:
         self.runner = ModelRunner(self.loaded.model, mc, self.device, self.dtype, num_blocks, cfg.block_size,
                                   self.max_model_len)
         if self.device.type == "cuda" and self.ops.name == "triton":
-            self.scheduler.cost.fixed = self.runner.use_graphs(notices).mixed_step_extra
+            graphs = self.runner.use_graphs(notices, reserve=self.blocks.ensure_capacity)
+            self.scheduler.cost.fixed = graphs.mixed_step_extra
         # Prompts prefilled by a worker process (--disaggregate); started once the step loop runs.
         self.disagg = Disaggregation(self.runner, self.blocks, self.scheduler, self.kv_bytes_per_token,
                                      fail=lambda seqs, e: self.outputs.fail(seqs, e),
@@ -241,8 +242,10 @@ class Engine:
         if not plain:
             return {}
         seqs = [plan.items[i].seq for i in plain]
-        tokens = sample(out.first_rows(plain), [s.params for s in seqs],
-                        [s.generator or self._generator for s in seqs]).tolist()
+        tokens = sample(out.first_rows(plain), [s.params for s in seqs], [s.generator or self._generator for s in seqs])
+        # every row decodes again next, speculation off: the runner may queue that step first
+        goes_on = plan.items if len(plain) == len(plan.items) and self.speculative.proposer is None else None
+        tokens = self.runner.tokens_to_host(tokens, goes_on)
         return {idx: [t] for idx, t in zip(plain, tokens) if t != NO_TOKEN}
 
     # ---- runtime settings -----------------------------------------------------------------

@@ -65,6 +65,15 @@ class LayerWeights(NamedTuple):
     next_norm: torch.Tensor
 
 
+class HeadWeights(NamedTuple):
+    """The tensors around the blocks, for backends that run a whole decode step: the embedding,
+    the first block's norm, the vocabulary product and RoPE's cos and sin for every position."""
+    embed: torch.Tensor
+    first_norm: torch.Tensor
+    lm_head: LinearWeights
+    rope_table: tuple[torch.Tensor, torch.Tensor]
+
+
 def active_weights(linear: nn.Module) -> LinearWeights:
     """The weights a linear layer's next forward uses (a QuantLinear says so itself)."""
     active = getattr(linear, "active_weights", None)
@@ -162,6 +171,7 @@ class Transformer(nn.Module):
         self.quant_switch = None      # quant.QuantSwitch once the loader wraps the linears
         self._plans_for: tuple[int, int] | None = None   # (backend, weight version) of _plans
         self._plans: dict[str, object] = {}
+        self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None     # see _rope_table
         with torch.device("cpu"):   # real numbers even when built on the meta device
             self.register_buffer("inv_freq", cfg.rope_inv_freq(), persistent=False)
 
@@ -188,6 +198,24 @@ class Transformer(nn.Module):
                 on_layer(n)
         return h
 
+    def _head_weights(self, max_positions: int) -> HeadWeights | None:
+        """None when the embedding is held only quantized (its rows are then dequantized op by op)."""
+        embed = self.embed.weight
+        if embed is None:
+            return None
+        if self.lm_head is None:                  # tied, bare model
+            lm_head = (embed, None, None)
+        else:                                     # a loader's head; a tied one projects with the embedding
+            lm_head = active_weights(getattr(self.lm_head, "embed", self.lm_head))
+        return HeadWeights(embed, self.layers[0].norm_attn.weight, lm_head, self._rope_table(max_positions))
+
+    def _rope_table(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """rope()'s cos and sin for positions 0..positions-1, kept: a whole decode step looks its
+        row up on the device (a replayed step's positions are not known on the host)."""
+        if self._rope_cache is None or self._rope_cache[0].shape[0] < positions:
+            self._rope_cache = self.rope(torch.arange(positions, device=self.inv_freq.device))
+        return self._rope_cache
+
     def _norms_after(self) -> list[RMSNorm]:
         return [b.norm_attn for b in self.layers[1:]] + [self.norm]
 
@@ -205,6 +233,18 @@ class Transformer(nn.Module):
             self._plans[mode] = self.ops.prepare_layers(weights, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                                         cfg.rms_norm_eps)
         return self._plans[mode]
+
+    def decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                      max_positions: int) -> torch.Tensor:
+        """A decode step's fp32 logits [T, vocab], every position below max_positions: in one call
+        where the backend runs the whole step (the Triton kernels, for one row of full-precision
+        weights), else op by op."""
+        plan, head = self._layer_plan(), self._head_weights(max_positions)
+        if plan is not None and head is not None:
+            logits = self.ops.decode_forward(plan, head, input_ids, positions, batch)
+            if logits is not None:
+                return logits
+        return self.logits(self(input_ids, positions, batch))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:                  # tied, and not wrapped by the loader (bare model)

@@ -7,6 +7,7 @@ from typing import Any, Callable
 import torch
 
 from .cuda_graphs import DecodeBuffers, DecodeGraphs, DecodeRows, Graph
+from .decode_ahead import DecodeAhead
 from .model import AttentionBatch, Transformer
 from .model_config import ModelConfig
 from .scheduler import ScheduledSeq
@@ -55,26 +56,36 @@ class ModelRunner:
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.scale = cfg.head_dim ** -0.5
         self.graphs: DecodeGraphs | None = None     # decode steps from CUDA graphs (use_graphs)
+        self.ahead: DecodeAhead | None = None        # the next decode step replayed early (with graphs)
+        self._replayed = False                       # the last step ran from a graph
         self.max_batch = 1                           # the batch limit the graphs are captured for
 
-    def use_graphs(self, notices: list[str], new_graph: Callable[[Any], Graph] | None = None) -> DecodeGraphs:
+    def use_graphs(self, notices: list[str], new_graph: Callable[[Any], Graph] | None = None,
+                   reserve: Callable[[Any, int], bool] | None = None) -> DecodeGraphs:
         """Replay decode steps from CUDA graphs (the Triton kernels only: the others read host
-        lengths a replay cannot update). new_graph: a CPU double in tests."""
+        lengths a replay cannot update). new_graph: a CPU double in tests. reserve(seq, tokens):
+        the block manager's, for decoding ahead into a new block (DecodeAhead)."""
         from pdchat.kernels.triton_attention import graph_decode_splits
         if self.graphs is not None:
             self.graphs.release()
         blocks = -(-self.max_model_len // self.block_size)
 
-        def forward(b: DecodeBuffers) -> torch.Tensor:
+        def batch(b: DecodeBuffers) -> AttentionBatch:
             rows = b.input_ids.shape[0]
-            batch = AttentionBatch(self.k_cache, self.v_cache, b.slot_mapping, b.block_tables, b.query_start_loc,
-                                   b.context_lens, [1] * rows, None, self.scale,
-                                   decode_splits=graph_decode_splits(rows, self.kv_heads, self.max_model_len,
-                                                                     self.device))
-            return self.model.logits(self.model(b.input_ids, b.positions, batch))
+            return AttentionBatch(self.k_cache, self.v_cache, b.slot_mapping, b.block_tables, b.query_start_loc,
+                                  b.context_lens, [1] * rows, None, self.scale,
+                                  decode_splits=graph_decode_splits(rows, self.kv_heads, self.max_model_len,
+                                                                    self.device))
+
+        def forward(b: DecodeBuffers) -> torch.Tensor:
+            return self.model.decode_logits(b.input_ids, b.positions, batch(b), self.max_model_len)
+
+        def op_by_op(b: DecodeBuffers) -> torch.Tensor:      # what a step with prompt tokens runs
+            return self.model.logits(self.model(b.input_ids, b.positions, batch(b)))
 
         self.graphs = DecodeGraphs(forward, max_blocks=blocks, device=self.device, notices=notices,
-                                   new_graph=new_graph)
+                                   new_graph=new_graph, op_by_op=op_by_op)
+        self.ahead = DecodeAhead(self.graphs, self.block_size, self.max_model_len, reserve)
         return self.graphs
 
     def close(self) -> None:
@@ -82,7 +93,7 @@ class ModelRunner:
         runner (the runtime settings, the time budget's fixed-cost source)."""
         if self.graphs is not None:
             self.graphs.release()
-        self.graphs = self.k_cache = self.v_cache = self.model = None
+        self.graphs = self.ahead = self.k_cache = self.v_cache = self.model = None
 
     def _weights_key(self) -> tuple[str, int]:
         switch = self.model.quant_switch
@@ -128,10 +139,12 @@ class ModelRunner:
         """The step's one forward: each item's scheduled tokens, plus its draft tokens (by item
         index) when it verifies; logits for the last row of an item that samples, every row of a
         verify. on_layer follows the forward through the layers (Transformer.forward)."""
-        if not drafts and self.graphs is not None and all(i.num_tokens == 1 and i.samples for i in items):
-            logits = self._replay(items)
+        self._replayed = False
+        if self.graphs is not None:
+            logits = self._decode_from_graphs(items, drafts)
             if logits is not None:
                 return StepLogits(logits, list(range(len(items) + 1)))
+
         work, rows = [], []
         for idx, item in enumerate(items):
             w = Work.of(item.seq, item.num_tokens)
@@ -145,6 +158,25 @@ class ModelRunner:
         for r in rows:
             starts.append(starts[-1] + len(r))
         return StepLogits(self.forward(work, rows, on_layer), starts)
+
+    def _decode_from_graphs(self, items: list[ScheduledSeq], drafts: dict[int, list[int]]) -> torch.Tensor | None:
+        """A decode-only step's logits from a graph: replayed ahead by the last step, or now; None
+        for any other step, or a batch no graph takes."""
+        decode = not drafts and all(i.num_tokens == 1 and i.samples for i in items)
+        ahead = self.ahead.take(items if decode else [], self.max_batch, self._weights_key())
+        if not decode:
+            return None
+        logits = ahead if ahead is not None else self._replay(items)
+        self._replayed = logits is not None
+        return logits
+
+    def tokens_to_host(self, tokens: torch.Tensor, goes_on: list[ScheduledSeq] | None = None) -> list[int]:
+        """A step's sampled tokens (on the device) as ints. goes_on: the step's rows when every one
+        decodes next without drafts; after a replayed step the next one is then replayed before
+        these are read (decode_ahead.py)."""
+        if goes_on is None or not self._replayed:
+            return tokens.tolist()
+        return self.ahead.read(goes_on, tokens, self.max_batch, self._weights_key())
 
     def _replay(self, items: list[ScheduledSeq]) -> torch.Tensor | None:
         bs = self.block_size

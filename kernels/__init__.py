@@ -2,7 +2,8 @@
 
 `reference` holds the pure-PyTorch versions: they define the semantics, run anywhere, and are the
 oracle for the others. `triton_attention` replaces the attention ops on GPUs, `triton_layers`
-the norms, rope and the MLP's activation, `triton_quant` the int8 weight-only product; `cpu` (C, built on
+the norms, rope and the MLP's activation, `triton_quant` the int8 weight-only product,
+`triton_decode` a whole one-row decode step in few launches; `cpu` (C, built on
 first use) replaces all of them for small batches on CPUs. Triton and the C build are optional, so
 both are imported only when asked for.
 """
@@ -18,7 +19,7 @@ from .reference import paged_attention, store_kv
 
 OPS = ("store_kv", "paged_attention", "rms_norm", "add_rms_norm", "rope", "silu_mul",
        "linear", "linear_int8", "pack_int8", "unpack_int8", "int8_supported", "linear_int4", "prepare_layers",
-       "run_layers")
+       "run_layers", "decode_forward")
 BACKENDS = ("torch", "triton", "cpu")
 
 
@@ -45,8 +46,8 @@ def load(name: str, cache_dir: Path | None = None) -> SimpleNamespace:
         raise ValueError(f"unknown kernel backend {name!r} ({', '.join(BACKENDS)})")
     own: list[object] = []
     if name == "triton":
-        from . import triton_attention, triton_layers, triton_quant
-        own = [triton_attention, triton_layers, triton_quant]
+        from . import triton_attention, triton_decode, triton_layers, triton_quant
+        own = [triton_attention, triton_layers, triton_quant, triton_decode]
     elif name == "cpu":
         from . import cpu
         if cache_dir is None:

@@ -257,3 +257,10 @@ def run_layers(plan: object | None, x: torch.Tensor, h: torch.Tensor, cos: torch
     """Run every block in place on x (the residual stream) and h (its normalised form); False when
     the backend cannot for this batch, and the model runs the blocks itself."""
     return False
+
+
+def decode_forward(plan: object | None, head: object, input_ids: torch.Tensor, positions: torch.Tensor,
+                   batch: object) -> torch.Tensor | None:
+    """A whole decode step's fp32 logits in one call (see triton_decode); None when the backend
+    has no such path, and the model runs the step op by op."""
+    return None

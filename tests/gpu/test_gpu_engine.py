@@ -46,7 +46,8 @@ def test_triton_path_matches_the_pytorch_path(model: str) -> None:
         ref_logits = ref.prompt_logits(ids)
         assert disagreements(prompt, tokens, ref_logits, TIE, TIE_REL) == []
         assert relative(fast.prompt_logits(ids), ref_logits) < LOGIT_REL
-        assert greedy(ref, prompt)[:4] == tokens[:4]          # no near-tie this early on these weights
+        best = ref_logits[len(prompt) - 1:-1].argmax(-1).tolist()
+        assert sum(t == b for t, b in zip(tokens, best)) >= TOKENS - 2     # near-ties aside, the same choices
 
 
 @pytest.mark.parametrize("model", SHAPES)

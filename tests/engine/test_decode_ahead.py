@@ -1,0 +1,71 @@
+"""Decode ahead (engine/decode_ahead.py): the next decode step replayed before this one's tokens
+are read must change nothing but the timing.
+
+Without a GPU the graphs are the CPU double (a replay re-runs the captured forward) and the
+Triton kernels run in Triton's interpreter; with one, real graphs. Each run is compared with the
+same engine reading its tokens before any replay ahead (the plain path), so the kernels are the
+same and the tokens must be too.
+"""
+from __future__ import annotations
+
+import torch
+
+from pdchat.engine import Engine, SamplingParams
+from tests.doubles.eager_graph import EagerGraph
+
+GPU = torch.cuda.is_available()
+PROMPTS = ["hello there", "a longer prompt with more words in it", "x"]
+
+
+def _engine(rows: int) -> Engine:
+    engine = Engine(model="random:tiny", device="cuda" if GPU else "cpu", kernels="triton", dtype="float32",
+                    telemetry=False, kv_cache_mb=4, max_num_seqs=rows, max_model_len=512, block_size=16)
+    if not GPU:
+        engine.runner.use_graphs(engine.settings.notices, new_graph=EagerGraph, reserve=engine.blocks.ensure_capacity)
+        engine.runner.prepare_graphs()
+    return engine
+
+
+def _texts_and_tokens(engine: Engine, params: list[SamplingParams]) -> list[tuple[str, list[int]]]:
+    streams = [engine.submit(p, sp) for p, sp in zip(PROMPTS, params)]        # decoding side by side
+    return [(c.text, c.token_ids) for c in (s.result() for s in streams)]
+
+
+def _plain(engine: Engine, monkeypatch) -> None:
+    """Read every step's tokens before anything else is replayed."""
+    monkeypatch.setattr(engine.runner, "tokens_to_host", lambda tokens, goes_on=None: tokens.tolist())
+
+
+def test_replaying_ahead_gives_the_plain_steps_tokens(monkeypatch) -> None:
+    params = [SamplingParams(max_tokens=26, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=13, temperature=0.8, seed=7, ignore_eos=True),    # drawn, seeded
+              SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)]
+    with _engine(rows=3) as engine:
+        ahead = _texts_and_tokens(engine, params)
+        used = engine.runner.ahead.used
+        # About 25 decode steps (how many run alone depends on when the loop admits the three
+        # requests): each takes the step replayed ahead but the first and those after a row's
+        # last token (known: nothing is replayed in vain). 16 without the blocks taken ahead
+        # where a row's next token starts a new block.
+        assert used >= 19 and engine.runner.ahead.dropped == 0
+        _plain(engine, monkeypatch)
+        assert _texts_and_tokens(engine, params) == ahead
+        assert engine.runner.ahead.used == used
+
+
+def test_a_row_that_ends_on_eos_drops_the_step_replayed_for_it(monkeypatch) -> None:
+    with _engine(rows=1) as engine:
+        free = engine.generate(PROMPTS[:1], SamplingParams(max_tokens=14, temperature=0, ignore_eos=True))[0]
+        prompt = len(engine.encode(PROMPTS[0]))
+        # a token first chosen after a few decode steps, not where the next one starts a new block
+        # (no step is replayed ahead there): make it the end of sequence
+        end = next(j for j in range(3, 14) if free.token_ids[j] not in free.token_ids[:j]
+                   and (prompt + j) % engine.blocks.block_size != 0)
+        monkeypatch.setattr(engine.outputs, "eos_token_ids", frozenset({free.token_ids[end]}))
+        dropped = engine.runner.ahead.dropped
+        ended = engine.generate(PROMPTS[:1], SamplingParams(max_tokens=14, temperature=0))[0]
+        assert ended.finish_reason == "stop" and ended.token_ids == free.token_ids[:end]   # the end token is not output
+        # the pool holds what a plain run wrote: the next request decodes as it would have
+        again = engine.generate(PROMPTS[:1], SamplingParams(max_tokens=14, temperature=0, ignore_eos=True))[0]
+        assert engine.runner.ahead.dropped == dropped + 1    # taken by no step: the row had ended
+        assert again.token_ids == free.token_ids
