@@ -173,6 +173,12 @@ def batch_point(engine: Engine, count: int, max_tokens: int = 64) -> tuple[float
     return tokens / ((end - start) / 1000), median([r.metrics.tpot_ms for r in results])
 
 
+def _warm_up(engine: Engine) -> None:
+    """The first decode after a weights change captures a GPU's graphs again (seconds): run it
+    before measuring a rate."""
+    engine.generate(["warm-up"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+
+
 def batching(engine: Engine, n: int) -> dict[str, Any]:
     """One row per weight precision the engine can run (the goal is fp32's)."""
     base = engine.config.quant
@@ -181,6 +187,7 @@ def batching(engine: Engine, n: int) -> dict[str, Any]:
         engine.update(quant=quant)
         if engine.config.quant != quant:           # not on this device: said in a notice
             continue
+        _warm_up(engine)
         rates, tpots = {}, {}
         for count in (1, n):
             rates[count], tpots[count] = batch_point(engine, count)
@@ -198,6 +205,7 @@ def naive(engine: Engine, position: int) -> dict[str, Any]:
     ms = {}
     for kv in (True, False):
         engine.update(kv_cache=kv, prefix_cache=False)
+        _warm_up(engine)                 # batching() may have just switched the weights back
         ms[kv] = engine.submit(ids, params).result().metrics.tpot_ms
     _restore(engine, base)
     return {"position": len(ids), "tpot_kv_cache_ms": ms[True], "tpot_naive_ms": ms[False],
