@@ -8,9 +8,13 @@ same and the tokens must be too.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from pdchat.engine import Engine, SamplingParams
+from pdchat.engine.decode_ahead import DecodeAhead
+from pdchat.engine.scheduler import ScheduledSeq
 from tests.doubles.eager_graph import EagerGraph
 
 GPU = torch.cuda.is_available()
@@ -69,3 +73,57 @@ def test_a_row_that_ends_on_eos_drops_the_step_replayed_for_it(monkeypatch) -> N
         again = engine.generate(PROMPTS[:1], SamplingParams(max_tokens=14, temperature=0, ignore_eos=True))[0]
         assert engine.runner.ahead.dropped == dropped + 1    # taken by no step: the row had ended
         assert again.token_ids == free.token_ids
+
+
+class _Graphs:
+    """What DecodeAhead asks of the graphs: the device, the capture count, a replay."""
+    device, captures = torch.device("cpu"), 1
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, rows, max_batch, weights, ids=None):
+        self.runs.append((rows, ids))
+        return torch.full((len(rows.positions), 3), float(len(self.runs)))
+
+
+def _row(computed: int, table: list[int], outputs: int = 1, max_tokens: int = 100) -> ScheduledSeq:
+    seq = SimpleNamespace(num_computed_tokens=computed, num_output_tokens=outputs,
+                          params=SimpleNamespace(max_tokens=max_tokens), block_table=table)
+    return ScheduledSeq(seq, 1)
+
+
+def test_the_step_ahead_is_taken_only_by_the_rows_and_positions_it_was_replayed_for() -> None:
+    graphs = _Graphs()
+    ahead = DecodeAhead(graphs, block_size=4, max_model_len=64)
+    items = [_row(5, [7, 3]), _row(2, [9, 8])]
+    assert ahead.read(items, torch.tensor([11, 12]), 4, "w") == [11, 12]
+    rows, ids = graphs.runs[-1]
+    # the tokens sampled now sit at positions 6 and 3: block 3 slot 2, block 9 slot 3
+    assert rows.positions == [6, 3] and rows.slots == [3 * 4 + 2, 9 * 4 + 3] and rows.context_lens == [7, 4]
+    assert ids.tolist() == [11, 12]
+    for item in items:                                 # the host appended the tokens
+        item.seq.num_computed_tokens += 1
+    assert torch.equal(ahead.take(items, 4, "w"), torch.full((2, 3), 1.0)) and ahead.used == 1
+    assert ahead.take(items, 4, "w") is None           # taken once
+    ahead.read(items, torch.tensor([1, 2]), 4, "w")
+    items[1].seq.num_computed_tokens += 2              # not where the replay put it
+    assert ahead.take(items, 4, "w") is None and ahead.dropped == 1
+    ahead.read(items, torch.tensor([1, 2]), 4, "w")
+    assert ahead.take(items, 4, "int8") is None and ahead.dropped == 2     # other weights
+    ahead.read(items, torch.tensor([1, 2]), 4, "w")
+    assert ahead.take(items[:1], 4, "w") is None and ahead.dropped == 3   # other rows
+
+
+def test_no_step_is_replayed_ahead_for_a_row_that_ends_or_has_no_block_for_it() -> None:
+    graphs = _Graphs()
+    ahead = DecodeAhead(graphs, block_size=4, max_model_len=64)
+    assert ahead.read([_row(5, [7, 3], outputs=9, max_tokens=10)], torch.tensor([1]), 4, "w") == [1]
+    assert ahead.read([_row(62, list(range(16)))], torch.tensor([1]), 4, "w") == [1]    # at max_model_len
+    assert ahead.read([_row(7, [7, 3])], torch.tensor([1]), 4, "w") == [1]   # position 8: a third block
+    assert graphs.runs == []
+    asked = []
+    ahead = DecodeAhead(graphs, block_size=4, max_model_len=64,
+                        reserve=lambda seq, n: asked.append(n) or seq.block_table.append(5) or True)
+    ahead.read([_row(7, [7, 3])], torch.tensor([1]), 4, "w")
+    assert asked == [9] and graphs.runs[-1][0].slots == [5 * 4]

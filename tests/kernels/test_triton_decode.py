@@ -91,9 +91,12 @@ def test_rope_and_the_kv_store_in_one_launch(dtype, qk_norm) -> None:
     emb = torch.cat([torch.arange(32, device=DEVICE).float()[:, None] * inv[None, :]] * 2, dim=-1)
     table = emb.cos().to(dtype), emb.sin().to(dtype)
     q_norm, k_norm = (rand(D, dtype=dtype, seed=5), rand(D, dtype=dtype, seed=6)) if qk_norm else (None, None)
-    k_cache, v_cache = rand(6, bs, KVH, D, dtype=dtype, seed=7), rand(6, bs, KVH, D, dtype=dtype, seed=8)
+    # the caches are the middle of larger pools: a store outside them shows in the pools' ends
+    k_pool, v_pool = rand(8, bs, KVH, D, dtype=dtype, seed=7), rand(8, bs, KVH, D, dtype=dtype, seed=8)
+    k_cache, v_cache = k_pool[1:7], v_pool[1:7]
     slots = torch.tensor([9, -1, 22], device=DEVICE)     # the middle row is padding: stored nowhere
-    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_k, want_v = k_pool.clone()[1:7], v_pool.clone()[1:7]
+    ends = [pool[i].clone() for pool in (k_pool, v_pool) for i in (0, 7)]
     q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
     q, k, v = q.reshape(T, H, D), k.reshape(T, KVH, D), v.reshape(T, KVH, D)
     if qk_norm:
@@ -105,6 +108,7 @@ def test_rope_and_the_kv_store_in_one_launch(dtype, qk_norm) -> None:
     torch.testing.assert_close(got_q, want_q, **TOL[dtype])
     torch.testing.assert_close(k_cache, want_k, **TOL[dtype])
     assert torch.equal(v_cache, want_v)                  # values are copied, not computed
+    assert all(torch.equal(pool[i], end) for pool, i, end in zip((k_pool, k_pool, v_pool, v_pool), (0, 7) * 2, ends))
 
 
 @pytest.fixture(params=["tiny", "tiny-qwen2", "tiny-qwen3"])
