@@ -116,7 +116,8 @@ class StagedInputs:
         if self._sent is not None:
             self._sent.synchronize()
         n, longs, lens = len(rows.input_ids), self._longs_np, self._lens_np
-        longs[0, :n], longs[1, :n], longs[2, :n], lens[:n] = rows.input_ids, rows.positions, rows.slots, rows.context_lens
+        longs[0, :n], longs[1, :n], longs[2, :n] = rows.input_ids, rows.positions, rows.slots
+        lens[:n] = rows.context_lens
         longs[0:2, n:size], longs[2, n:size], lens[n:size] = 0, -1, 0
         self._longs.copy_(self._host_longs, non_blocking=True)
         self._lens.copy_(self._host_lens, non_blocking=True)
@@ -244,7 +245,8 @@ class DecodeGraphs:
         self._graphs, self._buffers, self._inputs, self._key, self.sizes, self._tables = {}, None, None, None, [], None
 
     @torch.inference_mode()
-    def run(self, rows: DecodeRows, max_batch: int, key: Any, ids: torch.Tensor | None = None) -> torch.Tensor | None:
+    def run(self, rows: DecodeRows, max_batch: int, key: Any,
+            ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """The step's logits [rows, vocab] from a graph replay (a view of the graph's output, valid
         until the next replay); None when no graph takes the batch (then the step runs eagerly).
         ids: the input ids on the device (decode ahead), in place of rows.input_ids."""

@@ -4,12 +4,13 @@ A replayed decode step runs on the GPU while the host waits for its tokens; then
 post-processes them, schedules and fills the next step, and the GPU waits in turn: 0.23 ms of
 each 1.2 ms step on an H200 (2026-11-26, SmolLM2-135M shape, batch 1). So after a replayed step
 whose every row will decode again (no drafts, no row at its token or length limit, a block for
-its next position: taken now, where the scheduler would take it next step), the runner replays the next step at once, with the
-device's own sampled tokens as its input ids, and only then waits for this step's tokens. The
-next step takes that replay's logits when its rows are the same sequences at the positions
-expected; otherwise (a row ended on EOS or a stop string, a request arrived or was cancelled, the
-weights changed) they are dropped. The replay wrote each row's K/V at its next position: what
-that position holds if the row goes on, and a slot no one reads if it does not.
+its next position: taken now, where the scheduler would take it next step), the runner replays
+the next step at once, with the device's own sampled tokens as its input ids, and only then
+waits for this step's tokens. The next step takes that replay's logits when its rows are the
+same sequences at the positions expected; otherwise (a row ended on EOS or a stop string, a
+request arrived or was cancelled, the weights changed) they are dropped. The replay wrote each
+row's K/V at its next position: what that position holds if the row goes on, and a slot no one
+reads if it does not. On that host it took 0.17-0.27 ms off each step (README, "GPU").
 """
 from __future__ import annotations
 
@@ -66,7 +67,8 @@ class DecodeAhead:
             self._copied.record()
         logits = self._graphs.run(rows, max_batch, weights, ids=tokens)
         if logits is not None:
-            self._pending = (self._key(max_batch, weights), [(item.seq, p) for item, p in zip(items, rows.positions)], logits)
+            expected = [(item.seq, p) for item, p in zip(items, rows.positions)]
+            self._pending = (self._key(max_batch, weights), expected, logits)
         if self._copied is not None:
             self._copied.synchronize()                      # this step's tokens only, not the replay
         return host.tolist()

@@ -144,7 +144,6 @@ class ModelRunner:
             logits = self._decode_from_graphs(items, drafts)
             if logits is not None:
                 return StepLogits(logits, list(range(len(items) + 1)))
-
         work, rows = [], []
         for idx, item in enumerate(items):
             w = Work.of(item.seq, item.num_tokens)

@@ -8,7 +8,7 @@ only its stage:
      roofline fraction, prefill vs decode, 256-request throughput;
   2. the GPU tests: the Triton kernels (bf16 cases included), decode graphs, the Triton path vs
      PyTorch's on real shapes, telemetry (tests/kernels/test_triton_*.py, tests/engine/test_cuda_graphs.py,
-     tests/gpu/);
+     tests/engine/test_decode_ahead.py, tests/gpu/);
   3. the toggles, spec and lab suites on the GPU (quick sizes).
 and writes report.json (every figure) and report.md (the tables) with the device, driver and
 versions. Exit status 1 when a test or a stage failed, 2 where there is no GPU.
@@ -29,7 +29,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("engine", "bench", "kernels", "themes", "chatapp")
 GPU_TESTS = ["tests/kernels/test_triton_attention.py", "tests/kernels/test_triton_layers.py",
-             "tests/engine/test_cuda_graphs.py", "tests/gpu"]
+             "tests/kernels/test_triton_decode.py", "tests/engine/test_cuda_graphs.py",
+             "tests/engine/test_decode_ahead.py", "tests/gpu"]
 # (stage, seconds it may take at most): the bench first, since its figures are the goals
 SUITE_MODEL = "random:smollm2-135m"
 STAGES = (("bench_gpu", 300), ("tests", 180), ("toggles", 150), ("spec", 120), ("lab", 150))

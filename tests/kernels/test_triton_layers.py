@@ -6,19 +6,14 @@ bf16 is checked on the GPU only (the interpreter truncates fp32 -> bf16 where a 
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from pdchat.kernels import reference
 from pdchat.kernels import triton_layers as tl_ops
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRET else "cuda"
-DTYPES = [torch.float32, torch.float16,
-          pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-              INTERPRET, reason="Triton's interpreter truncates fp32->bf16 where the GPU rounds to nearest even"))]
+from .triton_device import DEVICE, DTYPES
+
 # fp32: summation order only. Half precisions: at most one rounding step apart.
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
        torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
