@@ -107,7 +107,7 @@ def _matvec_kernel(out_ptr, w_ptr, bias_ptr, x_ptr, ids_ptr, d_ptr, sum_ptr, nor
     tl.store(out_ptr + rows, out.to(dt).to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
-USE_PDL = True
+USE_PDL = True          # off only to measure what it gives (README, "GPU")
 
 
 def _pdl(device: torch.device) -> bool:
