@@ -5,6 +5,7 @@
   graphs on and off, Hugging Face `generate` on the same weights and dtype (the faster of its
   dynamic and static caches), and the fraction of the bandwidth roofline decoding reaches
   (weights + K/V read per token x tok/s / measured bandwidth);
+- where a batch-1 decode step's GPU time goes: the kernels of its graph, under the profiler;
 - the claim the lab makes about GPUs: a 1,000-token prefill costs about 5-10 decode steps;
 - throughput: 256 requests of random 100-1,024 input and output tokens on the Qwen2.5-0.5B shape
   (nano-vllm's published benchmark shape: 1,434 tok/s on an RTX 4070 laptop, Qwen3-0.6B).
@@ -14,7 +15,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import replace
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -95,6 +96,38 @@ def replay_ms(engine: Engine, repeats: int = 200) -> float | None:
     return start.elapsed_time(end) / repeats
 
 
+def step_kernels(engine: Engine, replays: int = 10, top: int = 8) -> list[dict[str, Any]]:
+    """Where a batch-1 decode step's GPU time goes: its graph replayed under the profiler, the
+    kernels that take the most of it, with launches and µs a step."""
+    graphs = engine.runner.graphs
+    if graphs is None or 1 not in graphs.sizes:
+        return []
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graphs.replay(1)
+        torch.cuda.synchronize()
+    return kernel_rows(prof.key_averages(), replays, top)
+
+
+def kernel_rows(averages: Iterable[Any], replays: int, top: int) -> list[dict[str, Any]]:
+    """The profiler's averages as rows, the most device time first (host-side calls, which take
+    none, are left out)."""
+    def device_us(a: Any) -> float:
+        return getattr(a, "device_time_total", None) or getattr(a, "cuda_time_total", 0.0)
+
+    rows = [{"kernel": a.key[:60], "per_step": a.count / replays, "us_per_step": device_us(a) / replays}
+            for a in averages if device_us(a) > 0]
+    return sorted(rows, key=lambda r: -r["us_per_step"])[:top]
+
+
+def _profiled(engine: Engine) -> list[dict[str, Any]]:
+    try:
+        return step_kernels(engine)
+    except Exception as e:          # a profiler that fails must not cost the shape's figures
+        return [{"kernel": f"not profiled: {type(e).__name__}: {e}"[:120]}]
+
+
 def _op_by_op_extra_ms(engine: Engine) -> float | None:
     """What a step with prompt tokens costs beyond a replayed decode step, as measured at capture
     (the time budget's fixed cost: it sizes the prompt slices beside running streams)."""
@@ -115,6 +148,7 @@ def shape_row(model: str, config: EngineConfig, bandwidth: float, quick: bool, p
         progress(f"{model}: decode, graphs on", at)
         graphs, _ = _decode(engine, prompt, tokens, repeats)
         gpu_ms, extra_ms = replay_ms(engine), _op_by_op_extra_ms(engine)
+        kernels = _profiled(engine)
         _, ttft_1k = _decode(engine, long, 2, repeats)
         engine.update(cuda_graphs=False)
         _decode(engine, prompt, 8, 1)
@@ -146,7 +180,7 @@ def shape_row(model: str, config: EngineConfig, bandwidth: float, quick: bool, p
                 "gpu_ms": gpu_ms, "host_ms": None if gpu_ms is None else 1000 / graphs - gpu_ms,
                 "gpu_roofline": None if not gpu_ms else per_token / (gpu_ms / 1000) / bandwidth,
                 "ttft_1k_ms": ttft_1k, "prefill_in_decode_steps": ttft_1k / (1000 / graphs),
-                "graphs": state, "op_by_op_extra_ms": extra_ms, **quantized}
+                "graphs": state, "op_by_op_extra_ms": extra_ms, **quantized, "step_kernels": kernels}
     finally:
         engine.close()
         torch.cuda.empty_cache()
@@ -179,7 +213,8 @@ def throughput(config: EngineConfig, requests: int, seed: int = 0) -> dict[str, 
 
 def parts(config: EngineConfig, quick: bool, progress: Progress) -> Iterator[tuple[str, Any]]:
     """The suite's sections as they are measured (a caller may keep each before the next):
-    bandwidth, the decode rows (again after each shape), throughput, then the goals."""
+    bandwidth, the decode rows and each shape's kernels a step (again after each shape),
+    throughput, then the goals."""
     if not torch.cuda.is_available() or config.device == "cpu":
         raise InvalidRequest("pdchat bench gpu measures a CUDA GPU, and torch sees none here")
     config = replace(config, device="cuda" if config.device == "auto" else config.device)
@@ -190,9 +225,13 @@ def parts(config: EngineConfig, quick: bool, progress: Progress) -> Iterator[tup
     bandwidth = copy_bandwidth(device)
     yield "bandwidth", {"copy_gb_s": bandwidth / 1e9, "method": "device-to-device copy of 1 GiB, read + written"}
     rows: list[dict[str, Any]] = []
+    kernels: list[dict[str, Any]] = []
     for i, model in enumerate(SHAPES):
-        rows.append(shape_row(model, config, bandwidth, quick, progress, (i + 0.1) / (len(SHAPES) + 1)))
+        row = shape_row(model, config, bandwidth, quick, progress, (i + 0.1) / (len(SHAPES) + 1))
+        kernels += [{"model": model, **k} for k in row.pop("step_kernels")]
+        rows.append(row)
         yield "decode", {"rows": list(rows)}
+        yield "step_kernels", {"rows": list(kernels)}
     progress("throughput", len(SHAPES) / (len(SHAPES) + 1))
     yield "throughput", throughput(config, 32 if quick else 256)
     progress("done", 1.0)
