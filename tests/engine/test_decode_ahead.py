@@ -127,3 +127,26 @@ def test_no_step_is_replayed_ahead_for_a_row_that_ends_or_has_no_block_for_it() 
                         reserve=lambda seq, n: asked.append(n) or seq.block_table.append(5) or True)
     ahead.read([_row(7, [7, 3])], torch.tensor([1]), 4, "w")
     assert asked == [9] and graphs.runs[-1][0].slots == [5 * 4]
+
+
+def test_rows_preempted_from_a_full_pool_decode_ahead_as_they_would_plainly(monkeypatch) -> None:
+    # 26 blocks of 4 tokens cannot hold the four requests at once: the scheduler preempts and
+    # recomputes, and blocks are taken ahead where a row's next token starts one
+    engine = Engine(model="random:tiny", device="cuda" if GPU else "cpu", kernels="triton", dtype="float32",
+                    telemetry=False, num_kv_blocks=26, block_size=4, max_num_seqs=4, max_model_len=256)
+    with engine:
+        if not GPU:
+            engine.runner.use_graphs(engine.settings.notices, new_graph=EagerGraph,
+                                     reserve=engine.blocks.ensure_capacity)
+            engine.runner.prepare_graphs()
+        prompts = PROMPTS + ["another one"]
+
+        def run() -> tuple[list[list[int]], int]:
+            streams = [engine.submit(p, SamplingParams(max_tokens=10 + 3 * i, temperature=0, ignore_eos=True))
+                       for i, p in enumerate(prompts)]
+            done = [s.result() for s in streams]
+            return [c.token_ids for c in done], sum(c.metrics.preemptions for c in done)
+        ahead, preempted = run()
+        assert preempted > 0 and engine.runner.ahead.used > 0
+        _plain(engine, monkeypatch)
+        assert run()[0] == ahead
