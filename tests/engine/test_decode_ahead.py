@@ -60,11 +60,9 @@ def test_replaying_ahead_gives_the_plain_steps_tokens(monkeypatch) -> None:
 def test_a_row_that_ends_on_eos_drops_the_step_replayed_for_it(monkeypatch) -> None:
     with _engine(rows=1) as engine:
         free = engine.generate(PROMPTS[:1], SamplingParams(max_tokens=14, temperature=0, ignore_eos=True))[0]
-        prompt = len(engine.encode(PROMPTS[0]))
-        # a token first chosen after a few decode steps, not where the next one starts a new block
-        # (no step is replayed ahead there): make it the end of sequence
-        end = next(j for j in range(3, 14) if free.token_ids[j] not in free.token_ids[:j]
-                   and (prompt + j) % engine.blocks.block_size != 0)
+        # a token first chosen after a few decode steps, before the last (after which no step is
+        # replayed ahead): make it the end of sequence
+        end = next(j for j in range(3, 13) if free.token_ids[j] not in free.token_ids[:j])
         monkeypatch.setattr(engine.outputs, "eos_token_ids", frozenset({free.token_ids[end]}))
         dropped = engine.runner.ahead.dropped
         ended = engine.generate(PROMPTS[:1], SamplingParams(max_tokens=14, temperature=0))[0]
