@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from . import triton_attention
+from .triton_layers import _weighted
 
 # what a product does to its input as it loads it (constexpr: the kernel branches on them)
 PLAIN, NORM, SILU = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -162,13 +163,10 @@ def matvec(weights: tuple, x: torch.Tensor, *, prologue: int = PLAIN, ids: torch
 
 @triton.jit
 def _head_norm(x1, x2, w_ptr, offs, ok, HALF: tl.constexpr, eps, DTYPE: tl.constexpr):
-    """Qwen3's per-head RMSNorm of one head's two halves (fp32, rounded to DTYPE)."""
+    """Qwen3's per-head RMSNorm of one head's two halves (fp32 in and out, rounded as the reference)."""
     rstd = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
-    n1 = (x1 * rstd).to(DTYPE).to(tl.float32)
-    n2 = (x2 * rstd).to(DTYPE).to(tl.float32)
-    w1 = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    w2 = tl.load(w_ptr + HALF + offs, mask=ok, other=0.0).to(tl.float32)
-    return (w1 * n1).to(DTYPE).to(tl.float32), (w2 * n2).to(DTYPE).to(tl.float32)
+    return (_weighted(x1, rstd, w_ptr, offs, ok, DTYPE).to(tl.float32),
+            _weighted(x2, rstd, w_ptr + HALF, offs, ok, DTYPE).to(tl.float32))
 
 
 @triton.jit

@@ -17,12 +17,17 @@ import triton.language as tl
 
 
 @triton.jit
-def _norm_row(s, w_ptr, offs, ok, n_cols, eps, DTYPE: tl.constexpr):
-    """weight * (s / rms(s)) for one row s (fp32, already rounded to the activations' dtype)."""
-    var = tl.sum(s * s, 0) / n_cols
-    normed = (s * tl.rsqrt(var + eps)).to(DTYPE).to(tl.float32)
+def _weighted(s, rstd, w_ptr, offs, ok, DTYPE: tl.constexpr):
+    """weight * (s * rstd), rounded where the reference's rms_norm rounds (s: fp32)."""
+    normed = (s * rstd).to(DTYPE).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     return (w * normed).to(DTYPE)
+
+
+@triton.jit
+def _norm_row(s, w_ptr, offs, ok, n_cols, eps, DTYPE: tl.constexpr):
+    """weight * (s / rms(s)) for one row s (fp32, already rounded to the activations' dtype)."""
+    return _weighted(s, tl.rsqrt(tl.sum(s * s, 0) / n_cols + eps), w_ptr, offs, ok, DTYPE)
 
 
 @triton.jit
