@@ -342,6 +342,23 @@ def test_tiled_attention_over_full_key_tiles_matches_reference(ops, block_size, 
     torch.testing.assert_close(out, batch.expected(scale), **TOL)
 
 
+@pytest.mark.parametrize("kv_heads,group,head_dim", [
+    (3, 3, 64),     # the default model's heads (an inlined head size)
+    (2, 7, 64),     # Qwen2.5-0.5B's group
+    (1, 12, 128),   # a group past the 8 heads taken at once, the other inlined head size
+    (2, 4, 40),     # a head size 16 does not divide: its last chunk padded
+    (4, 2, 24),
+])
+def test_decodes_and_short_verifies_over_long_contexts_match_reference(ops, kv_heads, group, head_dim):
+    # Sequences of 1-3 queries go one (token, KV head) at a time over the whole context, blocks
+    # fetched ahead: contexts of many blocks, one ending mid-block, one shorter than a block.
+    qlens, clens = [1, 3, 1, 2, 1], [700, 301, 5, 129, 16]
+    batch = Batch(qlens, clens, kv_heads, group, head_dim, block_size=16, dtype=torch.float32, seed=7)
+    scale = head_dim ** -0.5
+    out = ops.paged_attention(*batch.args("cpu"), scale, query_lens_host=qlens, context_lens_host=clens)
+    torch.testing.assert_close(out, batch.expected(scale), **TOL)
+
+
 def test_long_query_runs_go_to_flash_sdpa(ops):
     qlens = [64]
     assert not cpu.attention_in_c(64, 64)
