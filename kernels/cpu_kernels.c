@@ -1493,6 +1493,10 @@ struct attention_job {
     int max_blocks, H, KVH, D, bs;
     float scale;
     float *out;
+    /* Decodes split by keys (attention_groups): `parts` ranges of each token's keys, each part's
+     * unnormalized sums, max and total per (token, head) in `partial` (D + 2 floats) until merged. */
+    int parts;
+    float *partial;
 };
 
 /* Sequences of TILE_MIN_QUERIES or more queries (prefill slices, long verifies) go by tiles
@@ -1679,16 +1683,19 @@ static inline void prefetch_key(const struct attention_job *job, const int32_t *
     }
 }
 
-/* One query token (t, at position pos) for G heads of KV head kvh, from head h0 on: each key's
+/* One query token (t, at position pos) for G heads of KV head kvh, from head h0 on, over part
+ * `part` of its keys (job->parts of them): each key's
  * row comes from memory once for all G heads (the others read it from L1), dot products by
  * vectors along the head dimension, C chunks of TR (the last padded with zeros where TR does not
- * divide D); online softmax per head over tiles of keys. Inlined for the common head sizes (a
+ * divide D); online softmax per head over tiles of keys. One part writes the output, several
+ * their partial sums (merge_parts). Inlined for the common head sizes (a
  * constant C keeps a head's sums in registers: with C known only at run time they went through
  * the stack at every multiply-add). */
 static inline __attribute__((always_inline)) void attend_heads_c(const struct attention_job *job, int t, int pos,
                                                                  const int32_t *table, int kvh, int h0, int G,
-                                                                 const int C) {
-    int D = job->D, bs = job->bs;
+                                                                 int part, const int C) {
+    int D = job->D, bs = job->bs, keys = pos + 1;
+    int lo = (int)((int64_t)keys * part / job->parts), last = (int)((int64_t)keys * (part + 1) / job->parts) - 1;
     size_t row = (size_t)job->KVH * D, head = (size_t)kvh * D;
     lanes q[GROUP_PART][MAX_HEAD_DIM / TR], o[GROUP_PART][MAX_HEAD_DIM / TR];
     float m[GROUP_PART], l[GROUP_PART], sc[GROUP_PART][KEY_TILE];
@@ -1701,14 +1708,14 @@ static inline __attribute__((always_inline)) void attend_heads_c(const struct at
         }
         m[h] = -INFINITY, l[h] = 0.f;
     }
-    for (int j0 = 0; j0 <= pos;) {
-        int in_block = bs - j0 % bs, left = pos + 1 - j0;
+    for (int j0 = lo; j0 <= last;) {
+        int in_block = bs - j0 % bs, left = last + 1 - j0;
         int nk = left < in_block ? left : in_block;
         nk = nk < KEY_TILE ? nk : KEY_TILE;
         size_t first = ((size_t)table[j0 / bs] * bs + j0 % bs) * row + head;
         for (int j = 0; j < nk; j++) {
             const float *kj = job->k_cache + first + j * row;
-            if (j0 + j + AHEAD_KEYS <= pos) prefetch_key(job, table, head, j0 + j + AHEAD_KEYS);
+            if (j0 + j + AHEAD_KEYS <= last) prefetch_key(job, table, head, j0 + j + AHEAD_KEYS);
             for (int h = 0; h < G; h++) {
                 lanes acc = {0};
                 for (int c = 0; c < C; c++) acc += q[h][c] * lanes_at(kj + c * TR, CHUNK(c));
@@ -1735,39 +1742,86 @@ static inline __attribute__((always_inline)) void attend_heads_c(const struct at
         j0 += nk;
     }
     for (int h = 0; h < G; h++) {
-        float *out = job->out + ((int64_t)t * job->H + h0 + h) * D;
+        int64_t at = (int64_t)t * job->H + h0 + h;
+        float *out = job->parts == 1 ? job->out + at * D : job->partial + (at * job->parts + part) * (D + 2);
         for (int c = 0; c < C; c++) {
-            lanes r = o[h][c] * (1.f / l[h]);
+            lanes r = job->parts == 1 ? o[h][c] * (1.f / l[h]) : o[h][c];
             memcpy(out + c * TR, &r, (size_t)CHUNK(c) * sizeof(float));
         }
+        if (job->parts > 1) out[D] = m[h], out[D + 1] = l[h];
     }
 #undef CHUNK
 }
 
 static void attend_heads(const struct attention_job *job, int t, int pos, const int32_t *table, int kvh, int h0,
-                         int G) {
+                         int G, int part) {
     switch (job->D) {
-    case 64: attend_heads_c(job, t, pos, table, kvh, h0, G, 64 / TR); break;
-    case 128: attend_heads_c(job, t, pos, table, kvh, h0, G, 128 / TR); break;
-    default: attend_heads_c(job, t, pos, table, kvh, h0, G, (job->D + TR - 1) / TR);
+    case 64: attend_heads_c(job, t, pos, table, kvh, h0, G, part, 64 / TR); break;
+    case 128: attend_heads_c(job, t, pos, table, kvh, h0, G, part, 128 / TR); break;
+    default: attend_heads_c(job, t, pos, table, kvh, h0, G, part, (job->D + TR - 1) / TR);
     }
 }
 
-/* Work items [lo, hi): item = token * KVH + KV head, for the tokens of sequences of fewer than
- * TILE_MIN_QUERIES queries (decodes, short verifies); the group's heads GROUP_PART at a time. */
+/* The sequence of token t, and whether its queries are few enough for attention_groups. */
+static int sequence_of(const struct attention_job *job, int t, int *grouped) {
+    int s = 0;
+    while (job->cu_q[s + 1] <= t) s++;
+    *grouped = job->cu_q[s + 1] - job->cu_q[s] < TILE_MIN_QUERIES;
+    return s;
+}
+
+/* Work items [lo, hi): item = (token * KVH + KV head) * parts + part, for the tokens of sequences
+ * of fewer than TILE_MIN_QUERIES queries (decodes, short verifies); the group's heads
+ * GROUP_PART at a time. */
 static void attention_groups(const void *arg, int lo, int hi) {
     const struct attention_job *job = arg;
-    int KVH = job->KVH, group = job->H / KVH;
+    int KVH = job->KVH, group = job->H / KVH, grouped;
     for (int item = lo; item < hi; item++) {
-        int t = item / KVH, kvh = item % KVH, s = 0;
-        while (job->cu_q[s + 1] <= t) s++;
-        int n = job->cu_q[s + 1] - job->cu_q[s];
-        if (n >= TILE_MIN_QUERIES) continue;      /* attention_tiles' */
-        int pos = job->ctx[s] - n + (t - job->cu_q[s]);
+        int part = item % job->parts, t = item / job->parts / KVH, kvh = item / job->parts % KVH;
+        int s = sequence_of(job, t, &grouped);
+        if (!grouped) continue;                    /* attention_tiles' */
+        int pos = job->ctx[s] - (job->cu_q[s + 1] - job->cu_q[s]) + (t - job->cu_q[s]);
         const int32_t *table = job->tables + (int64_t)s * job->max_blocks;
         for (int h0 = 0; h0 < group; h0 += GROUP_PART)
-            attend_heads(job, t, pos, table, kvh, kvh * group + h0, group - h0 < GROUP_PART ? group - h0 : GROUP_PART);
+            attend_heads(job, t, pos, table, kvh, kvh * group + h0, group - h0 < GROUP_PART ? group - h0 : GROUP_PART,
+                         part);
     }
+}
+
+/* Each (token, head) of attention_groups' tokens from its parts' sums: each part's rescaled to
+ * the largest max, then divided by the total. */
+static void merge_parts(const struct attention_job *job, int T) {
+    int D = job->D, P = job->parts, grouped;
+    for (int t = 0; t < T; t++) {
+        sequence_of(job, t, &grouped);
+        if (!grouped) continue;
+        for (int h = 0; h < job->H; h++) {
+            const float *p = job->partial + ((int64_t)t * job->H + h) * P * (D + 2);
+            float mx = -INFINITY, total = 0.f, w[P];
+            for (int k = 0; k < P; k++) mx = max_f(mx, p[k * (D + 2) + D]);
+            for (int k = 0; k < P; k++) total += (w[k] = exp_fast(p[k * (D + 2) + D] - mx)) * p[k * (D + 2) + D + 1];
+            float *out = job->out + ((int64_t)t * job->H + h) * D;
+            for (int d = 0; d < D; d++) {
+                float sum = 0.f;
+                for (int k = 0; k < P; k++) sum += w[k] * p[k * (D + 2) + d];
+                out[d] = sum / total;
+            }
+        }
+    }
+}
+
+/* Key ranges per decode so that the (token, KV head) items fill every thread alike: with the
+ * default model's 3 KV heads, one decode split 2 : 1 over two cores. Only when each range keeps
+ * SPLIT_MIN_KEYS keys or more. */
+#define SPLIT_MIN_KEYS 256
+static int key_parts(int items, int threads, int longest) {
+    int a = items, b = threads;
+    while (b) {
+        int r = a % b;
+        a = b, b = r;
+    }
+    int parts = threads / a;    /* threads / gcd: items * parts divides evenly */
+    return parts > 1 && items < 8 * threads && longest >= parts * SPLIT_MIN_KEYS ? parts : 1;
 }
 
 void pd_paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
@@ -1776,18 +1830,23 @@ void pd_paged_attention(const float *q, int64_t q_stride, const float *k_cache, 
     int64_t macs = 0;
     for (int s = 0; s < S; s++) macs += (int64_t)(cu_q[s + 1] - cu_q[s]) * ctx[s] * H * D * 2;
     struct attention_job job = {q, k_cache, v_cache, q_stride, tables, cu_q, ctx, max_blocks, H, KVH, D, bs,
-                                scale, out};
-    int items = cu_q[S] * KVH, tiles = 0, short_queries = 0;
+                                scale, out, 1, NULL};
+    int tiles = 0, short_queries = 0, longest = 0;
     for (int s = 0; s < S; s++) {
         int n = cu_q[s + 1] - cu_q[s];
         if (n >= TILE_MIN_QUERIES) tiles += KVH * tiles_of(n, H / KVH);
-        else short_queries += n;
+        else short_queries += n, longest = ctx[s] > longest ? ctx[s] : longest;
     }
     int par = macs >= ATTENTION_PAR_MACS ? threads : 1;
     if (tiles) parallel_rows(attention_tiles, &job, tiles, 1, par);
-    if (short_queries) {   /* (a key costs several times its multiply-adds here: an exp, a rescale, a scattered page) */
-        int chunk = items / (2 * threads) > 1 ? items / (2 * threads) : 1;
+    if (short_queries) {
+        job.parts = key_parts(short_queries * KVH, par, longest);
+        if (job.parts > 1 && !(job.partial = malloc(sizeof(float) * cu_q[S] * H * job.parts * (D + 2))))
+            job.parts = 1;                      /* (out of memory: unsplit) */
+        int items = cu_q[S] * KVH * job.parts, chunk = items / (2 * threads) > 1 ? items / (2 * threads) : 1;
         parallel_rows(attention_groups, &job, items, chunk, par);
+        if (job.parts > 1) merge_parts(&job, cu_q[S]);
+        free(job.partial);
     }
 }
 

@@ -359,6 +359,27 @@ def test_decodes_and_short_verifies_over_long_contexts_match_reference(ops, kv_h
     torch.testing.assert_close(out, batch.expected(scale), **TOL)
 
 
+@pytest.mark.parametrize("kv_heads,group,head_dim,context", [
+    (3, 3, 64, 700),     # the default model: 3 (token, KV head) items split 2 : 1 over two threads
+    (3, 3, 64, 513),     # ranges that do not end on a block
+    (1, 12, 128, 1500),
+    (2, 4, 40, 900),     # two items fill two threads: not split
+    (3, 3, 64, 511),     # too few keys to split
+])
+def test_a_lone_decode_split_by_keys_over_two_threads_matches_reference(ops, kv_heads, group, head_dim, context):
+    # Too few (token, KV head) items to fill the threads evenly: each token's keys go in ranges,
+    # their partial sums merged afterwards.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        batch = Batch([1], [context], kv_heads, group, head_dim, block_size=16, dtype=torch.float32, seed=3)
+        scale = head_dim ** -0.5
+        out = ops.paged_attention(*batch.args("cpu"), scale, query_lens_host=[1], context_lens_host=[context])
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(out, batch.expected(scale), **TOL)
+
+
 def test_long_query_runs_go_to_flash_sdpa(ops):
     qlens = [64]
     assert not cpu.attention_in_c(64, 64)
