@@ -1683,75 +1683,95 @@ static inline void prefetch_key(const struct attention_job *job, const int32_t *
     }
 }
 
+/* One query token's G heads of one KV head, as attend_heads carries them over the keys: the
+ * queries (scaled) and the online softmax's sums, maxima and totals, the current tile's scores. */
+struct head_group {
+    lanes q[GROUP_PART][MAX_HEAD_DIM / TR], o[GROUP_PART][MAX_HEAD_DIM / TR];
+    float m[GROUP_PART], l[GROUP_PART], sc[GROUP_PART][KEY_TILE];
+    int G;
+};
+#define CHUNK(D, c) ((D) - (c) * TR < TR ? (D) - (c) * TR : TR)   /* floats in chunk c of a head */
+#define INLINE static inline __attribute__((always_inline))
+
+/* The scores of nk keys from key j0 (rows from kr on, `row` floats apart) for every head, the
+ * rows of key j + AHEAD_KEYS (up to `last`) fetched meanwhile. */
+INLINE void group_scores(const struct attention_job *job, struct head_group *g, const float *kr, const int32_t *table,
+                         size_t head, int j0, int nk, int last, const int C) {
+    size_t row = (size_t)job->KVH * job->D;
+    for (int j = 0; j < nk; j++) {
+        if (j0 + j + AHEAD_KEYS <= last) prefetch_key(job, table, head, j0 + j + AHEAD_KEYS);
+        for (int h = 0; h < g->G; h++) {
+            lanes acc = {0};
+            for (int c = 0; c < C; c++) acc += g->q[h][c] * lanes_at(kr + j * row + c * TR, CHUNK(job->D, c));
+            g->sc[h][j] = sum_lanes(acc);
+        }
+    }
+}
+
+/* The tile's scores into each head's online softmax, and its nk values (from vr on) into the sums. */
+INLINE void group_values(const struct attention_job *job, struct head_group *g, const float *vr, int nk, const int C) {
+    size_t row = (size_t)job->KVH * job->D;
+    for (int h = 0; h < g->G; h++) {
+        float tile_max = -INFINITY, sum = 0.f, *sc = g->sc[h];
+        for (int j = 0; j < nk; j++) tile_max = max_f(tile_max, sc[j]);
+        float m_new = max_f(g->m[h], tile_max), rescale = exp_fast(g->m[h] - m_new);
+#pragma omp simd reduction(+ : sum)
+        for (int j = 0; j < nk; j++) {        /* (a loop of its own: the exps vectorize) */
+            sc[j] = exp_fast(sc[j] - m_new);
+            sum += sc[j];
+        }
+        g->l[h] = g->l[h] * rescale + sum, g->m[h] = m_new;
+        lanes acc[MAX_HEAD_DIM / TR];
+        for (int c = 0; c < C; c++) acc[c] = g->o[h][c] * rescale;
+        for (int j = 0; j < nk; j++)
+            for (int c = 0; c < C; c++) acc[c] += sc[j] * lanes_at(vr + j * row + c * TR, CHUNK(job->D, c));
+        for (int c = 0; c < C; c++) g->o[h][c] = acc[c];
+    }
+}
+
 /* One query token (t, at position pos) for G heads of KV head kvh, from head h0 on, over part
- * `part` of its keys (job->parts of them): each key's
- * row comes from memory once for all G heads (the others read it from L1), dot products by
- * vectors along the head dimension, C chunks of TR (the last padded with zeros where TR does not
- * divide D); online softmax per head over tiles of keys. One part writes the output, several
- * their partial sums (merge_parts). Inlined for the common head sizes (a
- * constant C keeps a head's sums in registers: with C known only at run time they went through
- * the stack at every multiply-add). */
-static inline __attribute__((always_inline)) void attend_heads_c(const struct attention_job *job, int t, int pos,
-                                                                 const int32_t *table, int kvh, int h0, int G,
-                                                                 int part, const int C) {
+ * `part` of its keys (job->parts of them): each key's row comes from memory once for all G heads
+ * (the others read it from L1), dot products by vectors along the head dimension, C chunks of TR
+ * (the last padded with zeros where TR does not divide D), online softmax per head over tiles of
+ * keys. One part writes the output, several their partial sums (merge_parts). Inlined for the
+ * common head sizes: a constant C keeps a head's sums in registers (with C known only at run
+ * time they went through the stack at every multiply-add). */
+INLINE void attend_heads_c(const struct attention_job *job, int t, int pos, const int32_t *table, int kvh, int h0,
+                           int G, int part, const int C) {
     int D = job->D, bs = job->bs, keys = pos + 1;
     int lo = (int)((int64_t)keys * part / job->parts), last = (int)((int64_t)keys * (part + 1) / job->parts) - 1;
     size_t row = (size_t)job->KVH * D, head = (size_t)kvh * D;
-    lanes q[GROUP_PART][MAX_HEAD_DIM / TR], o[GROUP_PART][MAX_HEAD_DIM / TR];
-    float m[GROUP_PART], l[GROUP_PART], sc[GROUP_PART][KEY_TILE];
-#define CHUNK(c) (D - (c) * TR < TR ? D - (c) * TR : TR)
+    struct head_group g;
+    g.G = G;
     for (int h = 0; h < G; h++) {
         const float *qh = job->q + (int64_t)t * job->q_stride + (int64_t)(h0 + h) * D;
         for (int c = 0; c < C; c++) {
-            q[h][c] = lanes_at(qh + c * TR, CHUNK(c)) * job->scale;
-            o[h][c] = (lanes){0};
+            g.q[h][c] = lanes_at(qh + c * TR, CHUNK(D, c)) * job->scale;
+            g.o[h][c] = (lanes){0};
         }
-        m[h] = -INFINITY, l[h] = 0.f;
+        g.m[h] = -INFINITY, g.l[h] = 0.f;
     }
-    for (int j0 = lo; j0 <= last;) {
+    for (int j0 = lo; j0 <= last;) {         /* tiles of keys within one cache block */
         int in_block = bs - j0 % bs, left = last + 1 - j0;
         int nk = left < in_block ? left : in_block;
         nk = nk < KEY_TILE ? nk : KEY_TILE;
         size_t first = ((size_t)table[j0 / bs] * bs + j0 % bs) * row + head;
-        for (int j = 0; j < nk; j++) {
-            const float *kj = job->k_cache + first + j * row;
-            if (j0 + j + AHEAD_KEYS <= last) prefetch_key(job, table, head, j0 + j + AHEAD_KEYS);
-            for (int h = 0; h < G; h++) {
-                lanes acc = {0};
-                for (int c = 0; c < C; c++) acc += q[h][c] * lanes_at(kj + c * TR, CHUNK(c));
-                sc[h][j] = sum_lanes(acc);
-            }
-        }
-        const float *vr = job->v_cache + first;
-        for (int h = 0; h < G; h++) {
-            float tile_max = -INFINITY, sum = 0.f;
-            for (int j = 0; j < nk; j++) tile_max = max_f(tile_max, sc[h][j]);
-            float m_new = max_f(m[h], tile_max), rescale = exp_fast(m[h] - m_new);
-#pragma omp simd reduction(+ : sum)
-            for (int j = 0; j < nk; j++) {        /* (a loop of its own: the exps vectorize) */
-                sc[h][j] = exp_fast(sc[h][j] - m_new);
-                sum += sc[h][j];
-            }
-            l[h] = l[h] * rescale + sum, m[h] = m_new;
-            lanes acc[MAX_HEAD_DIM / TR];
-            for (int c = 0; c < C; c++) acc[c] = o[h][c] * rescale;
-            for (int j = 0; j < nk; j++)
-                for (int c = 0; c < C; c++) acc[c] += sc[h][j] * lanes_at(vr + j * row + c * TR, CHUNK(c));
-            for (int c = 0; c < C; c++) o[h][c] = acc[c];
-        }
+        group_scores(job, &g, job->k_cache + first, table, head, j0, nk, last, C);
+        group_values(job, &g, job->v_cache + first, nk, C);
         j0 += nk;
     }
     for (int h = 0; h < G; h++) {
         int64_t at = (int64_t)t * job->H + h0 + h;
         float *out = job->parts == 1 ? job->out + at * D : job->partial + (at * job->parts + part) * (D + 2);
         for (int c = 0; c < C; c++) {
-            lanes r = job->parts == 1 ? o[h][c] * (1.f / l[h]) : o[h][c];
-            memcpy(out + c * TR, &r, (size_t)CHUNK(c) * sizeof(float));
+            lanes r = job->parts == 1 ? g.o[h][c] * (1.f / g.l[h]) : g.o[h][c];
+            memcpy(out + c * TR, &r, (size_t)CHUNK(D, c) * sizeof(float));
         }
-        if (job->parts > 1) out[D] = m[h], out[D + 1] = l[h];
+        if (job->parts > 1) out[D] = g.m[h], out[D + 1] = g.l[h];
     }
-#undef CHUNK
 }
+#undef CHUNK
+#undef INLINE
 
 static void attend_heads(const struct attention_job *job, int t, int pos, const int32_t *table, int kvh, int h0,
                          int G, int part) {
