@@ -241,7 +241,7 @@ class _PlanBuilder:
                 return 1
             planned = sum(i.num_tokens for i in self.items)     # (the decodes are planned first)
             rows = self.cost.fast_rows
-            most = None if rows is None else max(rows.limit - planned, 1)
+            most = None if rows is None else max(min(rows.limit, self.cost.slice_rows_cap(planned)) - planned, 1)
             fits = self.cost.tokens_within(self.seconds, seq.num_computed_tokens, planned, most)
             return min(n, max(fits, self._min_slice(planned)), most or n)
         return n if self.tokens is None else min(n, max(self.tokens, 1))

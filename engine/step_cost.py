@@ -89,6 +89,7 @@ class StepCost:
         self.fixed: Callable[[], float] = lambda: 0.0
         self._beside = _Fit(pair_ratio)             # prompt slices in steps with decodes
         self._alone = _Fit(pair_ratio)              # prompt work in steps without
+        self.widest_slice = 0                       # rows of the widest step with a slice measured
 
     def record_decode(self, seconds: float) -> None:
         """A decode-only step (no prompt tokens, no drafts) took `seconds`."""
@@ -98,6 +99,8 @@ class StepCost:
         """A step computed `tokens` prompt tokens scoring `pairs` query-key pairs (beside decodes
         when `decoded`, `other_rows` rows of them) in `seconds`."""
         if tokens > 0:
+            if decoded:
+                self.widest_slice = max(self.widest_slice, tokens + other_rows)
             work = seconds - (self.decode_s or 0.0) - self.fixed()
             (self._beside if decoded else self._alone).add(self.charged(tokens, other_rows, decoded), pairs,
                                                            max(work, 0.0))
@@ -111,6 +114,17 @@ class StepCost:
         """The tokens a step's prompt work is charged for: by whole vectors for slices beside
         decodes (the kernels' fast path), as they are elsewhere (a whole prompt on BLAS)."""
         return charged_tokens(tokens, other_rows, self.granule) if decoded else tokens
+
+    def slice_rows_cap(self, other_rows: int) -> int:
+        """The most rows a step with a slice beside `other_rows` rows of decodes may have before a
+        step about that wide is measured: twice the widest measured, or two vectors (one past the
+        decodes' rows where they fill more). The fit is linear in a slice's rows, but on a CPU the first vector, shared with
+        the decodes, costs a fraction of the next ones (2-core AMD EPYC: 15 tokens beside a
+        decode 8 ms more than the decode, 47 tokens 55 ms more). Fitted on the first slice
+        alone, the second was planned at 47 tokens for 40-48 ms and took 74-78: a stall of 3.8-4.1
+        decode steps in each of three fresh engines. Grown by doubling, each size is measured
+        before the next is planned."""
+        return max(2 * self.widest_slice, 2 * self.granule, other_rows + self.granule)
 
     def prompt_seconds(self, step_budget: float) -> float:
         """Seconds of prompt work a step beside decodes may take: the budget's share past its

@@ -404,6 +404,29 @@ def test_a_time_budgeted_slice_ends_where_the_steps_rows_fill_a_vector(streams, 
     assert [i.num_tokens for i in plan.items] == [1] * streams + [slice_tokens]
 
 
+def test_slices_grow_by_doubling_until_a_step_that_wide_is_measured():
+    # A fresh cost model sees one slice of one vector, cheap (its rows share the vector with the
+    # decode): by that fit three vectors would fit the budget, but the next slice stops at two,
+    # and only once a step of two vectors is measured may one of three follow.
+    decode = 0.020
+    cost = StepCost(pair_ratio=1e-4, fast_rows=CPU_ROWS)
+    for _ in range(5):
+        cost.record_decode(decode)
+    cost.record_prefill(15, attention_pairs(100, 15), True, decode + 0.008, other_rows=1)
+    sched = make_scheduler(BlockManager(512, 16, prefix_cache=False), cost, step_budget=3.0, max_num_seqs=8,
+                           chunk_size="auto")
+    _decoding(sched)
+    newcomer = seq("new", 2000, start=100)
+    sched.add(newcomer)
+    assert cost.tokens_within(cost.prompt_seconds(3.0), 100, other_rows=1) >= 47     # what the fit alone allows
+    plan = sched.schedule()
+    assert [i.num_tokens for i in plan.items] == [1, 31]                # 32 rows: two vectors
+    sched.record(plan, decode + 0.012, drafted=False)                   # as cheap a token as the first
+    run(plan)
+    plan = sched.schedule()
+    assert [i.num_tokens for i in plan.items] == [1, 47]                # 48 rows: now three
+
+
 def test_a_prompts_last_slice_is_what_is_left_whatever_the_vectors():
     cost = _learned(1e-3, 0.0, 0.025, CPU_ROWS)
     sched = make_scheduler(BlockManager(1024, 16, prefix_cache=False), cost, step_budget=1 + 40.5 / 25,
