@@ -118,12 +118,12 @@ class StepCost:
     def slice_rows_cap(self, other_rows: int) -> int:
         """The most rows a step with a slice beside `other_rows` rows of decodes may have before a
         step about that wide is measured: twice the widest measured, or two vectors (one past the
-        decodes' rows where they fill more). The fit is linear in a slice's rows, but on a CPU the first vector, shared with
-        the decodes, costs a fraction of the next ones (2-core AMD EPYC: 15 tokens beside a
-        decode 8 ms more than the decode, 47 tokens 55 ms more). Fitted on the first slice
-        alone, the second was planned at 47 tokens for 40-48 ms and took 74-78: a stall of 3.8-4.1
-        decode steps in each of three fresh engines. Grown by doubling, each size is measured
-        before the next is planned."""
+        decodes' rows where they fill more). The fit is linear in a slice's rows, but on a CPU
+        the first vector, shared with the decodes, costs a fraction of the next ones (2-core AMD
+        EPYC: 15 tokens beside a decode 8 ms more than the decode, 47 tokens 55 ms more). Fitted
+        on the first slice alone, the second was planned at 47 tokens for 40-48 ms and took
+        74-78: a stall of 3.8-4.1 decode steps in each of three fresh engines. Grown by
+        doubling, each size is measured before the next is planned."""
         return max(2 * self.widest_slice, 2 * self.granule, other_rows + self.granule)
 
     def prompt_seconds(self, step_budget: float) -> float:

@@ -350,7 +350,7 @@ def test_tiled_attention_over_full_key_tiles_matches_reference(ops, block_size, 
     (4, 2, 24),
 ])
 def test_decodes_and_short_verifies_over_long_contexts_match_reference(ops, kv_heads, group, head_dim):
-    # Sequences of 1-3 queries go one (token, KV head) at a time over the whole context, blocks
+    # Sequences of 1-3 queries go one (token, KV head) at a time over the whole context, keys
     # fetched ahead: contexts of many blocks, one ending mid-block, one shorter than a block.
     qlens, clens = [1, 3, 1, 2, 1], [700, 301, 5, 129, 16]
     batch = Batch(qlens, clens, kv_heads, group, head_dim, block_size=16, dtype=torch.float32, seed=7)
@@ -360,7 +360,7 @@ def test_decodes_and_short_verifies_over_long_contexts_match_reference(ops, kv_h
 
 
 @pytest.mark.parametrize("kv_heads,group,head_dim,context", [
-    (3, 3, 64, 700),     # the default model: 3 (token, KV head) items split 2 : 1 over two threads
+    (3, 3, 64, 700),     # the default model: its 3 (token, KV head) items would load two threads 2 : 1
     (3, 3, 64, 513),     # ranges that do not end on a block
     (1, 12, 128, 1500),
     (2, 4, 40, 900),     # two items fill two threads: not split
