@@ -1662,6 +1662,7 @@ static inline lanes lanes_at(const float *p, int n) {
  * through the stack: with it, a decode's per-key dot products cost 4x their loads). */
 typedef float lanes8 __attribute__((vector_size(8 * sizeof(float))));
 typedef float lanes4 __attribute__((vector_size(4 * sizeof(float))));
+_Static_assert(TR == 16, "sum_lanes halves a vector of 16 lanes");
 static inline float sum_lanes(lanes v) {
     lanes8 a, b;
     memcpy(&a, &v, sizeof a);
