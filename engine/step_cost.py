@@ -89,7 +89,7 @@ class StepCost:
         self.fixed: Callable[[], float] = lambda: 0.0
         self._beside = _Fit(pair_ratio)             # prompt slices in steps with decodes
         self._alone = _Fit(pair_ratio)              # prompt work in steps without
-        self.widest_slice = 0                       # rows of the widest step with a slice measured
+        self._widest_slice = 0                       # rows of the widest step with a slice measured
 
     def record_decode(self, seconds: float) -> None:
         """A decode-only step (no prompt tokens, no drafts) took `seconds`."""
@@ -100,7 +100,7 @@ class StepCost:
         when `decoded`, `other_rows` rows of them) in `seconds`."""
         if tokens > 0:
             if decoded:
-                self.widest_slice = max(self.widest_slice, tokens + other_rows)
+                self._widest_slice = max(self._widest_slice, tokens + other_rows)
             work = seconds - (self.decode_s or 0.0) - self.fixed()
             (self._beside if decoded else self._alone).add(self.charged(tokens, other_rows, decoded), pairs,
                                                            max(work, 0.0))
@@ -124,7 +124,7 @@ class StepCost:
         on the first slice alone, the second was planned at 47 tokens for 40-48 ms and took
         74-78: a stall of 3.8-4.1 decode steps in each of three fresh engines. Grown by
         doubling, each size is measured before the next is planned."""
-        return max(2 * self.widest_slice, 2 * self.granule, other_rows + self.granule)
+        return max(2 * self._widest_slice, 2 * self.granule, other_rows + self.granule)
 
     def prompt_seconds(self, step_budget: float) -> float:
         """Seconds of prompt work a step beside decodes may take: the budget's share past its
