@@ -25,8 +25,12 @@ venv: $(VENV)/.installed
 run: venv
 	$(VENV)/bin/pdchat $(ARGS)
 
+# Test workers: two fill CI's two cores (files stay whole on one worker, so a module's engine
+# is loaded once); TEST_WORKERS=0 runs the suite in this process.
+TEST_WORKERS ?= 2
+
 test: venv
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # On a machine with a CUDA GPU: the GPU tests and benchmarks, one report (build/gpu-check/report.md
 # and .json). Installs nothing: it runs under the Python that has torch and triton (GPU_PYTHON).

@@ -6,6 +6,8 @@ import os
 import pytest
 import torch
 
+pytest_plugins = ["tests.kernel_variants"]     # the summary of the CPU kernel variants tested
+
 # Without a GPU the Triton kernels run in Triton's interpreter (kernel tests at toy sizes, and the
 # decode-graph tests). It must be set before any kernel module is imported: @triton.jit reads it
 # at decoration.

@@ -16,7 +16,7 @@ from pdchat.engine.quant import quantize_int4, quantize_int8
 from pdchat.kernels import cpu, reference
 
 from .batch import Batch
-from .conftest import record_variant
+from tests.kernel_variants import record_variant
 from .test_cpu_kernels import int4_product_in_integers
 
 TOOLS = {"aarch64-linux-gnu-gcc": "gcc-aarch64-linux-gnu", "qemu-aarch64": "qemu-user"}   # -> Debian package
