@@ -33,19 +33,28 @@ def _vector_machine(per_token: float, per_pair: float, decode: float) -> StepCos
     return cost
 
 
-def test_by_vectors_a_slice_fills_its_last_vector_early_and_may_leave_it_part_full_late():
+def test_by_vectors_a_slice_fills_its_last_vector_early_and_ends_where_it_prefills_fastest():
     cost = _vector_machine(1e-3, 1e-6, 0.025)
     assert cost.coefficients() == (pytest.approx(1e-3, rel=0.02), pytest.approx(1e-6, rel=0.05))
+
+    def rate(start: int, n: int) -> float:         # prompt tokens a second of the whole step
+        return n / cost.step_seconds(cost.prefill_seconds(start, n, other_rows=1))
     # Early, pairs cost little: 47 tokens (3 vectors with the decode) fit 52 ms, 48 would need a 4th.
     assert cost.tokens_within(0.052, 0, other_rows=1) == 47
     assert cost.tokens_within(0.052, 0, other_rows=1, most=40) == 40
-    # Late (from position 1,500 a token's pairs cost 1.5 ms): two vectors and 19 tokens' pairs fit
-    # 60 ms, 20 do not; 24, what a cost per token would allow, pay for 31 and do not either.
-    n = cost.tokens_within(0.060, 1500, other_rows=1)
-    assert n == 19
-    assert cost.prefill_seconds(1500, 19, other_rows=1) <= 0.060 < cost.prefill_seconds(1500, 20, other_rows=1)
-    assert cost.prefill_seconds(1500, 24, other_rows=1) > 0.060
-    assert cost.prefill_seconds(1500, 15, other_rows=1) < cost.prefill_seconds(1500, 19, other_rows=1)
+    # At position 300, 40 ms: two vectors with 28 tokens' pairs fit, 29 do not; the part-full
+    # second vector prefills faster than one full vector.
+    assert cost.tokens_within(0.040, 300, other_rows=1) == 28
+    assert cost.prefill_seconds(300, 28, other_rows=1) <= 0.040 < cost.prefill_seconds(300, 29, other_rows=1)
+    assert rate(300, 28) > rate(300, 15)
+    # Late (from position 1,500 a token's pairs cost 1.5 ms), 60 ms: 19 tokens in two vectors fit,
+    # but they pay for 31 and prefill slower than the 15 of one vector, in a shorter step.
+    assert cost.tokens_within(0.060, 1500, other_rows=1) == 15
+    assert cost.prefill_seconds(1500, 19, other_rows=1) <= 0.060
+    assert rate(1500, 15) > rate(1500, 19)
+    # In a step that costs far more whatever the slice (other slices planned), the fuller vector
+    # pays off again.
+    assert cost.tokens_within(0.060, 1500, other_rows=1, floor_s=0.2) == 19
 
 
 def test_a_whole_prompt_is_charged_by_its_tokens_whatever_the_vectors():
