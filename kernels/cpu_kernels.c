@@ -1493,8 +1493,9 @@ struct attention_job {
     int max_blocks, H, KVH, D, bs;
     float scale;
     float *out;
-    /* Decodes split by keys (attention_groups): `parts` ranges of each token's keys, each part's
-     * unnormalized sums, max and total per (token, head) in `partial` (D + 2 floats) until merged. */
+    /* Work split by keys (a lone decode's groups, a slice's few tiles): `parts` ranges of each
+     * token's keys, each part's unnormalized sums, max and total per (token, head) in `partial`
+     * (D + 2 floats) until merged (merge_parts). */
     int parts;
     float *partial;
 };
@@ -1578,7 +1579,7 @@ static inline void add_values(const float *vr, size_t row, int nk, int D, const 
 }
 
 static void attend_tile(const struct attention_job *job, const float *const *qrow, const int *pos, int R,
-                        const int32_t *table, size_t head, float *out_rows[TR]) {
+                        const int32_t *table, size_t head, int part, float *out_rows[TR]) {
     int D = job->D, bs = job->bs;
     size_t row = (size_t)job->KVH * D;
     lanes qt[MAX_HEAD_DIM], ot[MAX_HEAD_DIM];
@@ -1593,8 +1594,9 @@ static void attend_tile(const struct attention_job *job, const float *const *qro
         m[r] = -INFINITY, l[r] = 0.f;
         lim[r] = r < R ? (float)pos[r] : -1.f;     /* padding lanes see no key */
     }
-    int last = pos[R - 1];
-    for (int j0 = 0; j0 <= last;) {
+    int keys = pos[R - 1] + 1;      /* this part's range of them: all where parts == 1 */
+    int j0 = (int)((int64_t)keys * part / job->parts), last = (int)((int64_t)keys * (part + 1) / job->parts) - 1;
+    while (j0 <= last) {
         int in_block = bs - j0 % bs, left = last + 1 - j0;
         int nk = left < in_block ? left : in_block;
         nk = nk < TK ? nk : TK;
@@ -1609,19 +1611,21 @@ static void attend_tile(const struct attention_job *job, const float *const *qro
         add_values(job->v_cache + first, row, nk, D, acc, scale, ot);
         j0 += nk;
     }
-    for (int r = 0; r < R; r++) {
-        float inv = 1.f / l[r];
+    for (int r = 0; r < R; r++) {       /* the output, or a part's sums and their max and total */
+        float inv = job->parts == 1 ? 1.f / l[r] : 1.f;
         for (int d = 0; d < D; d++) out_rows[r][d] = ot[d][r] * inv;
+        if (job->parts > 1) out_rows[r][D] = m[r], out_rows[r][D + 1] = l[r];
     }
 }
 
-/* Work items [lo, hi): one tile of one KV head of one tiled sequence, sequences in order. A
- * tile's rows are (query, head) pairs taken query by query over the KV head's group of heads. */
+/* Work items [lo, hi): item = tile * parts + part, a tile being one of one KV head of one tiled
+ * sequence, sequences in order. A tile's rows are (query, head) pairs taken query by query over the
+ * KV head's group of heads. */
 static void attention_tiles(const void *arg, int lo, int hi) {
     const struct attention_job *job = arg;
-    int H = job->H, D = job->D, group = H / job->KVH;
+    int H = job->H, D = job->D, group = H / job->KVH, P = job->parts;
     for (int item = lo; item < hi; item++) {
-        int s = 0, rest = item, n;
+        int s = 0, rest = item / P, n;
         for (;; s++) {
             n = job->cu_q[s + 1] - job->cu_q[s];
             if (n < TILE_MIN_QUERIES) continue;
@@ -1637,10 +1641,11 @@ static void attention_tiles(const void *arg, int lo, int hi) {
         for (int r = 0; r < R; r++) {
             int qi = (r0 + r) / group, h = kvh * group + (r0 + r) % group;
             qrow[r] = job->q + (int64_t)(t0 + qi) * job->q_stride + (int64_t)h * D;
-            orow[r] = job->out + ((int64_t)(t0 + qi) * H + h) * D;
+            int64_t at = (int64_t)(t0 + qi) * H + h;
+            orow[r] = P == 1 ? job->out + at * D : job->partial + (at * P + item % P) * (D + 2);
             pos[r] = first_pos + qi;
         }
-        attend_tile(job, qrow, pos, R, job->tables + (int64_t)s * job->max_blocks, (size_t)kvh * D, orow);
+        attend_tile(job, qrow, pos, R, job->tables + (int64_t)s * job->max_blocks, (size_t)kvh * D, item % P, orow);
     }
 }
 
@@ -1809,13 +1814,14 @@ static void attention_groups(const void *arg, int lo, int hi) {
     }
 }
 
-/* Each (token, head) of attention_groups' tokens from its parts' sums: each part's rescaled to
- * the largest max, then divided by the total. */
-static void merge_parts(const struct attention_job *job, int T) {
+/* Each (token, head) of the tokens just attended in parts (those of attention_groups, or else of
+ * attention_tiles) from its parts' sums: each part's rescaled to the largest max, then divided by
+ * the total (a part where a row saw no key has sums of 0, whatever its weight). */
+static void merge_parts(const struct attention_job *job, int T, int groups) {
     int D = job->D, P = job->parts, grouped;
     for (int t = 0; t < T; t++) {
         sequence_of(job, t, &grouped);
-        if (!grouped) continue;
+        if (grouped != groups) continue;
         for (int h = 0; h < job->H; h++) {
             const float *p = job->partial + ((int64_t)t * job->H + h) * P * (D + 2);
             float mx = -INFINITY, total = 0.f, w[P];
@@ -1831,9 +1837,9 @@ static void merge_parts(const struct attention_job *job, int T) {
     }
 }
 
-/* Key ranges per decode so that the (token, KV head) items fill every thread alike: with the
- * default model's 3 KV heads, one decode split 2 : 1 over two cores. Only when each range keeps
- * SPLIT_MIN_KEYS keys or more. */
+/* Key ranges per decode, or per tile, so that the items fill every thread alike: with the default
+ * model's 3 KV heads, one decode split 2 : 1 over two cores, a 15-token slice's 9 tiles 5 : 4.
+ * Only when each range keeps SPLIT_MIN_KEYS keys or more. */
 #define SPLIT_MIN_KEYS 256
 static int key_parts(int items, int threads, int longest) {
     int a = items, b = threads;
@@ -1845,6 +1851,28 @@ static int key_parts(int items, int threads, int longest) {
     return parts > 1 && items < 8 * threads && longest >= parts * SPLIT_MIN_KEYS ? parts : 1;
 }
 
+static inline int max_i(int a, int b) { return a > b ? a : b; }
+
+/* The tiles of the tiled sequences (groups = 0: `items` tiles) or the (token, KV head) pairs of
+ * the others (groups = 1: `items` = T * KVH, attention_groups passes over the tiled), each in
+ * `parts` ranges of keys, merged where more than one. T: the batch's tokens. */
+static void attend_in_parts(struct attention_job *job, int T, int items, int parts, int threads, int groups) {
+    size_t size = (size_t)T * job->H * parts * (job->D + 2);
+    job->parts = parts;
+    job->partial = parts > 1 ? malloc(sizeof(float) * size) : NULL;
+    if (!job->partial) job->parts = 1;            /* (one part, or out of memory: unsplit) */
+    items *= job->parts;
+    if (groups) {
+        int chunk = items / (2 * threads) > 1 ? items / (2 * threads) : 1;
+        parallel_rows(attention_groups, job, items, chunk, threads);
+    } else {
+        parallel_rows(attention_tiles, job, items, 1, threads);
+    }
+    if (job->parts > 1) merge_parts(job, T, groups);
+    free(job->partial);
+    job->partial = NULL;
+}
+
 void pd_paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                         const int32_t *tables, int max_blocks, const int32_t *cu_q, const int32_t *ctx,
                         int S, int H, int KVH, int D, int bs, float scale, float *out, int threads) {
@@ -1852,23 +1880,16 @@ void pd_paged_attention(const float *q, int64_t q_stride, const float *k_cache, 
     for (int s = 0; s < S; s++) macs += (int64_t)(cu_q[s + 1] - cu_q[s]) * ctx[s] * H * D * 2;
     struct attention_job job = {q, k_cache, v_cache, q_stride, tables, cu_q, ctx, max_blocks, H, KVH, D, bs,
                                 scale, out, 1, NULL};
-    int tiles = 0, short_queries = 0, longest = 0;
+    int tiles = 0, short_queries = 0, longest = 0, longest_tiled = 0;
     for (int s = 0; s < S; s++) {
         int n = cu_q[s + 1] - cu_q[s];
-        if (n >= TILE_MIN_QUERIES) tiles += KVH * tiles_of(n, H / KVH);
-        else short_queries += n, longest = ctx[s] > longest ? ctx[s] : longest;
+        if (n >= TILE_MIN_QUERIES) tiles += KVH * tiles_of(n, H / KVH), longest_tiled = max_i(longest_tiled, ctx[s]);
+        else short_queries += n, longest = max_i(longest, ctx[s]);
     }
     int par = macs >= ATTENTION_PAR_MACS ? threads : 1;
-    if (tiles) parallel_rows(attention_tiles, &job, tiles, 1, par);
-    if (short_queries) {
-        job.parts = key_parts(short_queries * KVH, par, longest);
-        if (job.parts > 1 && !(job.partial = malloc(sizeof(float) * cu_q[S] * H * job.parts * (D + 2))))
-            job.parts = 1;                      /* (out of memory: unsplit) */
-        int items = cu_q[S] * KVH * job.parts, chunk = items / (2 * threads) > 1 ? items / (2 * threads) : 1;
-        parallel_rows(attention_groups, &job, items, chunk, par);
-        if (job.parts > 1) merge_parts(&job, cu_q[S]);
-        free(job.partial);
-    }
+    if (tiles) attend_in_parts(&job, cu_q[S], tiles, key_parts(tiles, par, longest_tiled), par, 0);
+    if (short_queries)
+        attend_in_parts(&job, cu_q[S], cu_q[S] * KVH, key_parts(short_queries * KVH, par, longest), par, 1);
 }
 
 /* ---- whole layers: one call per forward, so a decode step pays Python's overhead once ---- */

@@ -380,6 +380,28 @@ def test_a_lone_decode_split_by_keys_over_two_threads_matches_reference(ops, kv_
     torch.testing.assert_close(out, batch.expected(scale), **TOL)
 
 
+@pytest.mark.parametrize("qlens,clens,kv_heads,group,head_dim", [
+    ([15], [1000], 3, 3, 64),          # the default model's slice: its 9 tiles would load two threads 5 : 4
+    ([15, 1], [1000, 700], 3, 3, 64),  # a slice beside a decode: each split, the parts merged apart
+    ([15], [530], 3, 3, 64),           # ranges that do not end on a block, the queries near the second
+    ([20], [1500], 1, 12, 128),        # 15 tiles of a group past 8 heads
+    ([16], [900], 2, 4, 40),           # 8 tiles fill two threads: not split
+    ([15], [511], 3, 3, 64),           # too few keys to split
+])
+def test_a_slice_split_by_keys_over_two_threads_matches_reference(ops, qlens, clens, kv_heads, group, head_dim):
+    # A prefill slice's tiles too few to fill the threads evenly: each tile's keys go in ranges,
+    # their partial sums merged afterwards.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        batch = Batch(qlens, clens, kv_heads, group, head_dim, block_size=16, dtype=torch.float32, seed=5)
+        scale = head_dim ** -0.5
+        out = ops.paged_attention(*batch.args("cpu"), scale, query_lens_host=qlens, context_lens_host=clens)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(out, batch.expected(scale), **TOL)
+
+
 def test_long_query_runs_go_to_flash_sdpa(ops):
     qlens = [64]
     assert not cpu.attention_in_c(64, 64)
