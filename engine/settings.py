@@ -195,7 +195,7 @@ SETTINGS: tuple[Setting, ...] = (
             group="optimizations", label="prefill chunk",
             help="prompt tokens per step while others decode, so their streams stay smooth; "
                  "auto = as many as fit the step budget (from measured step times), off = whole prompts"),
-    Setting("step_budget", ENGINE, float, 2.5, low=1, low_open=True, high=1000, runtime=True, metavar="X",
+    Setting("step_budget", ENGINE, float, 3.0, low=1, low_open=True, high=1000, runtime=True, metavar="X",
             group="optimizations", label="step budget",
             help="with prefill chunk auto: how long a step that prefills beside running streams may take, "
                  "in decode steps; higher = newcomers start sooner, streams stall longer"),
