@@ -1,8 +1,8 @@
 """Which CPU kernel variants this run built and tested, said in one summary at the end.
 
-A pytest plugin (tests/conftest.py loads it) rather than part of tests/kernels/conftest.py: with
-test workers (`make test` runs two), each worker records what its tests did and hands it to the
-controlling process, which alone writes the summary and loads no test folder's conftest.
+A pytest plugin that tests/conftest.py loads: with test workers (`make test` runs two) the kernel
+tests run in the workers, each records what its tests did and hands it to the controlling
+process at its end, and that process writes the one summary.
 """
 from __future__ import annotations
 

@@ -27,4 +27,3 @@ def ops(request, tmp_path_factory):
     assert cpu.int8_path(lib) == path           # the build runs the path it was asked for
     record_variant(path.name, "built and tested")
     return cpu.CpuKernels(lib)
-
