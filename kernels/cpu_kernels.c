@@ -1500,6 +1500,18 @@ struct attention_job {
     float *partial;
 };
 
+/* Part `part` of the keys 0..keys-1: [*lo, *last]. */
+static inline void part_range(const struct attention_job *job, int keys, int part, int *lo, int *last) {
+    *lo = (int)((int64_t)keys * part / job->parts);
+    *last = (int)((int64_t)keys * (part + 1) / job->parts) - 1;
+}
+
+/* Where (token, head) `at`'s result goes: its output row, or its part's row of sums (D floats, then
+ * the max and the total) when the keys go in parts. */
+static inline float *result_row(const struct attention_job *job, int64_t at, int part) {
+    return job->parts == 1 ? job->out + at * job->D : job->partial + (at * job->parts + part) * (job->D + 2);
+}
+
 /* Sequences of TILE_MIN_QUERIES or more queries (prefill slices, long verifies) go by tiles
  * (attention_tiles); the others one (token, KV head) pair at a time (attention_groups). */
 #define TILE_MIN_QUERIES 4
@@ -1594,8 +1606,8 @@ static void attend_tile(const struct attention_job *job, const float *const *qro
         m[r] = -INFINITY, l[r] = 0.f;
         lim[r] = r < R ? (float)pos[r] : -1.f;     /* padding lanes see no key */
     }
-    int keys = pos[R - 1] + 1;      /* this part's range of them: all where parts == 1 */
-    int j0 = (int)((int64_t)keys * part / job->parts), last = (int)((int64_t)keys * (part + 1) / job->parts) - 1;
+    int j0, last;
+    part_range(job, pos[R - 1] + 1, part, &j0, &last);
     while (j0 <= last) {
         int in_block = bs - j0 % bs, left = last + 1 - j0;
         int nk = left < in_block ? left : in_block;
@@ -1641,8 +1653,7 @@ static void attention_tiles(const void *arg, int lo, int hi) {
         for (int r = 0; r < R; r++) {
             int qi = (r0 + r) / group, h = kvh * group + (r0 + r) % group;
             qrow[r] = job->q + (int64_t)(t0 + qi) * job->q_stride + (int64_t)h * D;
-            int64_t at = (int64_t)(t0 + qi) * H + h;
-            orow[r] = P == 1 ? job->out + at * D : job->partial + (at * P + item % P) * (D + 2);
+            orow[r] = result_row(job, (int64_t)(t0 + qi) * H + h, item % P);
             pos[r] = first_pos + qi;
         }
         attend_tile(job, qrow, pos, R, job->tables + (int64_t)s * job->max_blocks, (size_t)kvh * D, item % P, orow);
@@ -1744,8 +1755,8 @@ INLINE void group_values(const struct attention_job *job, struct head_group *g, 
  * time they went through the stack at every multiply-add). */
 INLINE void attend_heads_c(const struct attention_job *job, int t, int pos, const int32_t *table, int kvh, int h0,
                            int G, int part, const int C) {
-    int D = job->D, bs = job->bs, keys = pos + 1;
-    int lo = (int)((int64_t)keys * part / job->parts), last = (int)((int64_t)keys * (part + 1) / job->parts) - 1;
+    int D = job->D, bs = job->bs, lo, last;
+    part_range(job, pos + 1, part, &lo, &last);
     size_t row = (size_t)job->KVH * D, head = (size_t)kvh * D;
     struct head_group g;
     g.G = G;
@@ -1767,8 +1778,7 @@ INLINE void attend_heads_c(const struct attention_job *job, int t, int pos, cons
         j0 += nk;
     }
     for (int h = 0; h < G; h++) {
-        int64_t at = (int64_t)t * job->H + h0 + h;
-        float *out = job->parts == 1 ? job->out + at * D : job->partial + (at * job->parts + part) * (D + 2);
+        float *out = result_row(job, (int64_t)t * job->H + h0 + h, part);
         for (int c = 0; c < C; c++) {
             lanes r = job->parts == 1 ? g.o[h][c] * (1.f / g.l[h]) : g.o[h][c];
             memcpy(out + c * TR, &r, (size_t)CHUNK(D, c) * sizeof(float));
