@@ -221,7 +221,6 @@ class _PlanBuilder:
 
     def __init__(self, tokens: int | None, seconds: float | None, cost: StepCost):
         self.tokens, self.seconds, self.cost = tokens, seconds, cost
-        self.budget_s = seconds                    # the prompt seconds the step began with
         self.items: list[ScheduledSeq] = []
         self.failed: list[Sequence] = []
         self._charged: dict[int, float] = {}       # id(item) -> predicted prefill seconds
@@ -243,7 +242,7 @@ class _PlanBuilder:
             planned = sum(i.num_tokens for i in self.items)     # (the decodes are planned first)
             rows = self.cost.fast_rows
             most = None if rows is None else max(min(rows.limit, self.cost.slice_rows_cap(planned)) - planned, 1)
-            floor = self.cost.step_seconds(self.budget_s - self.seconds)    # the step without this slice
+            floor = self.cost.step_seconds(sum(self._charged.values()))    # the step without this slice
             fits = self.cost.tokens_within(self.seconds, seq.num_computed_tokens, planned, most, floor)
             return min(n, max(fits, self._min_slice(planned)), most or n)
         return n if self.tokens is None else min(n, max(self.tokens, 1))
