@@ -7,7 +7,7 @@ A step is modeled as the decode step it carries plus its prefill work:
 `decode` is the measured time of a decode-only step (an exponentially weighted average over the
 recent ones: the running streams' TPOT, which the step budget is a multiple of). `tokens` are the
 prompt tokens the step computes and `pairs` the query-key pairs their attention scores: a token at
-position p sees p + 1 keys, so a slice late in a long prompt costs more than an early one. Both
+position p sees p + 1 keys, so a slice late in a long prompt costs more than an early one. The
 coefficients are fitted online (least squares, recent steps weighted more), each pulled slightly
 towards a prior: a 16-token slice costing about a decode step, and a pair costing what the
 model's FLOPs say relative to a token.
@@ -18,6 +18,13 @@ are the charged ones: the step's rows rounded up to whole vectors, less its deco
 17 prompt tokens beside one decode cost what 31 do (measured at the start of a prompt, default
 model: the decode alone 26 ms, with 15 tokens 39, with 31 56, with 47 75); slices sized by tokens
 alone mostly ended inside a vector (39, 32, 16 tokens beside a decode: 40, 33, 17 rows).
+And the charged tokens come in two kinds with a coefficient each (`vector_split`): those that fill
+the vector the decodes began, and those in vectors of their own. A decode alone is bound by
+reading the weights; the rows that fill its vector ride that read, while each further vector is
+paid in arithmetic (in the measurement above the first 15 tokens cost 13 ms, each further 16
+17-19). One coefficient for both, fitted mostly on one-vector slices, planned two-vector slices
+15-25% short (62-71 ms planned, 68-87 taken) and a three-vector one at 48 ms that took 75: the
+longest steps of stutter runs.
 
 Two fits: prompt slices beside decoding streams (what the budget sizes), and prompts prefilled
 with no stream to protect (whole, and the prefill progress's estimate) or in steps past the
@@ -41,7 +48,8 @@ slices: predictions err towards shorter steps.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable
+from collections import deque
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 if TYPE_CHECKING:
     from pdchat.kernels import FastRows
@@ -49,6 +57,7 @@ if TYPE_CHECKING:
     from .model_config import ModelConfig
 
 DECAY = 0.9              # weight of an observation after each newer one (the fit follows the machine)
+RECENT_SLICES = 10       # slices whose widths say what was measured lately: about the fit's memory
 PRIOR_WEIGHT = 1e-4       # of the prior against one observation: it only matters before there are some
 PRIOR_SLICE = 16         # tokens whose prefill costs about one decode step, before anything is measured
 PRIOR_TOKEN_SECONDS = 1e-3   # per prompt token, before even a decode step was measured
@@ -77,6 +86,26 @@ def charged_tokens(tokens: int, other_rows: int, granule: int) -> int:
     return vectors * granule - other_rows
 
 
+def vector_split(tokens: int, other_rows: int, granule: int) -> tuple[int, int]:
+    """A slice's charged tokens (charged_tokens) as (those filling the vector its step's other rows
+    began, those in vectors of their own). No other rows, or rows that end a vector, leave nothing
+    to fill; where rows go by any count (granule 1) every token is of its own."""
+    charged = charged_tokens(tokens, other_rows, granule)
+    filling = min(charged, -other_rows % granule)
+    return filling, charged - filling
+
+
+class Coefficients(NamedTuple):
+    """Seconds per charged token filling the decodes' vector, per token in a vector of its own,
+    and per query-key pair."""
+    filling: float
+    token: float
+    pair: float
+
+    def work(self, split: tuple[int, int], pairs: int) -> float:
+        return self.filling * split[0] + self.token * split[1] + self.pair * pairs
+
+
 class StepCost:
     def __init__(self, pair_ratio: float, fast_rows: "FastRows | None" = None):
         self.pair_ratio = pair_ratio
@@ -89,7 +118,7 @@ class StepCost:
         self.fixed: Callable[[], float] = lambda: 0.0
         self._beside = _Fit(pair_ratio)             # prompt slices in steps with decodes
         self._alone = _Fit(pair_ratio)              # prompt work in steps without
-        self._widest_slice = 0                       # rows of the widest step with a slice measured
+        self._slice_rows: deque[int] = deque(maxlen=RECENT_SLICES)    # rows of the latest steps with a slice
 
     def record_decode(self, seconds: float) -> None:
         """A decode-only step (no prompt tokens, no drafts) took `seconds`."""
@@ -100,7 +129,7 @@ class StepCost:
         when `decoded`, `other_rows` rows of them) in `seconds`."""
         if tokens > 0:
             if decoded:
-                self._widest_slice = max(self._widest_slice, tokens + other_rows)
+                self._slice_rows.append(tokens + other_rows)
             work = seconds - (self.decode_s or 0.0) - self.fixed()
             (self._beside if decoded else self._alone).add(self.charged(tokens, other_rows, decoded), pairs,
                                                            max(work, 0.0))
@@ -110,21 +139,24 @@ class StepCost:
         """Rows the kernels' products take at a time (1: any count costs by the row)."""
         return self.fast_rows.granule if self.fast_rows else 1
 
-    def charged(self, tokens: int, other_rows: int, decoded: bool = True) -> int:
-        """The tokens a step's prompt work is charged for: by whole vectors for slices beside
-        decodes (the kernels' fast path), as they are elsewhere (a whole prompt on BLAS)."""
-        return charged_tokens(tokens, other_rows, self.granule) if decoded else tokens
+    def charged(self, tokens: int, other_rows: int, decoded: bool = True) -> tuple[int, int]:
+        """The tokens a step's prompt work is charged for, as (filling, of their own) (vector_split):
+        by whole vectors for slices beside decodes (the kernels' fast path), as they are elsewhere
+        (a whole prompt on BLAS)."""
+        return vector_split(tokens, other_rows, self.granule) if decoded else (0, tokens)
 
     def slice_rows_cap(self, other_rows: int) -> int:
         """The most rows a step with a slice beside `other_rows` rows of decodes may have before a
-        step about that wide is measured: twice the widest measured, or two vectors (one past the
-        decodes' rows where they fill more). The fit is linear in a slice's rows, but on a CPU
-        the first vector, shared with the decodes, costs a fraction of the next ones (2-core AMD
-        EPYC: 15 tokens beside a decode 8 ms more than the decode, 47 tokens 55 ms more). Fitted
-        on the first slice alone, the second was planned at 47 tokens for 40-48 ms and took
-        74-78: a stall of 3.8-4.1 decode steps in each of three fresh engines. Grown by
-        doubling, each size is measured before the next is planned."""
-        return max(2 * self._widest_slice, 2 * self.granule, other_rows + self.granule)
+        step about that wide is measured: twice the widest of the latest slices, or two vectors
+        (one past the decodes' rows where they fill more). The fit is linear in a slice's
+        vectors, but a CPU's are not all alike (2-core AMD EPYC, default model, the layers'
+        products: 16 rows 22 ms, 32 rows 41, 48 rows 69). Fitted on the first slice alone, the
+        second was planned at 47 tokens for 40-48 ms and took 74-78: a stall of 3.8-4.1 decode
+        steps in each of three fresh engines. Grown by doubling, each size is measured before the
+        next is planned; and measured lately, because the fit forgets: after a prompt's late
+        slices of one vector, a three-vector slice early in the next prompt was planned at 50 ms
+        and took 76."""
+        return max(2 * max(self._slice_rows, default=0), 2 * self.granule, other_rows + self.granule)
 
     def prompt_seconds(self, step_budget: float) -> float:
         """Seconds of prompt work a step beside decodes may take: the budget's share past its
@@ -136,8 +168,8 @@ class StepCost:
         """A step's predicted time: its decode step, the fixed cost and `prefill_s` of prompt work."""
         return (self.decode_s or 0.0) + self.fixed() + prefill_s
 
-    def coefficients(self, decoded: bool = True) -> tuple[float, float]:
-        """(seconds per prompt token, seconds per query-key pair), beside decodes or alone."""
+    def coefficients(self, decoded: bool = True) -> Coefficients:
+        """Seconds per charged token and per query-key pair, beside decodes or alone."""
         prior = self.decode_s / PRIOR_SLICE if self.decode_s else PRIOR_TOKEN_SECONDS
         return (self._beside if decoded else self._alone).coefficients(prior)
 
@@ -146,10 +178,9 @@ class StepCost:
         has `other_rows` rows besides."""
         return self.work_seconds(self.charged(tokens, other_rows, decoded), attention_pairs(start, tokens), decoded)
 
-    def work_seconds(self, charged: int, pairs: int, decoded: bool = True) -> float:
+    def work_seconds(self, charged: tuple[int, int], pairs: int, decoded: bool = True) -> float:
         """Predicted prompt work of `charged` tokens (StepCost.charged) scoring `pairs` pairs."""
-        per_token, per_pair = self.coefficients(decoded)
-        return per_token * charged + per_pair * pairs
+        return self.coefficients(decoded).work(charged, pairs)
 
     def tokens_within(self, seconds: float, start: int, other_rows: int = 0, most: int | None = None,
                       floor_s: float | None = None) -> int:
@@ -165,19 +196,20 @@ class StepCost:
         that fit took the 16."""
         if seconds <= 0:
             return 0
-        a, b = self.coefficients()
+        c = self.coefficients()
         most = 1 << 30 if most is None else most
-        if self.granule <= 1 or a <= 0:
-            return min(most, _quadratic_tokens(a, b, start, seconds))
+        if self.granule <= 1 or c.token <= 0:
+            return min(most, _quadratic_tokens(c.token, c.pair, start, seconds))
         floor_s = self.step_seconds(0.0) if floor_s is None else floor_s
         g, best, best_rate, k = self.granule, 0, 0.0, other_rows // self.granule + 1
         while True:
             full = k * g - other_rows                  # the tokens that fill k vectors
-            room = seconds - a * full
+            linear = c.work(vector_split(full, other_rows, g), 0)
+            room = seconds - linear
             if room < 0 or full - g >= most:
                 return best
-            n = min(full, most, _quadratic_tokens(0.0, b, start, room))
-            rate = n / (floor_s + a * full + b * attention_pairs(start, n)) if n > 0 else 0.0
+            n = min(full, most, _quadratic_tokens(0.0, c.pair, start, room))
+            rate = n / (floor_s + linear + c.pair * attention_pairs(start, n)) if n > 0 else 0.0
             if rate > best_rate:
                 best, best_rate = n, rate
             k += 1
@@ -192,41 +224,46 @@ def _quadratic_tokens(a: float, b: float, start: int, seconds: float) -> int:
 
 
 class _Fit:
-    """Prefill seconds ~ per_token * tokens + per_pair * pairs, exponentially weighted least
-    squares over (tokens, pairs in token units)."""
+    """Prefill seconds ~ per_filling * filling + per_token * own + per_pair * pairs (vector_split),
+    exponentially weighted least squares over (filling tokens, own tokens, pairs in token units)."""
 
     def __init__(self, pair_ratio: float):
         self.pair_ratio = pair_ratio
-        self._xx = [[0.0, 0.0], [0.0, 0.0]]
-        self._xy = [0.0, 0.0]
-        self._fit: tuple[float, float, float] | None = None    # (prior, per_token, per_unit)
+        self._xx = [[0.0] * 3 for _ in range(3)]
+        self._xy = [0.0] * 3
+        self._fit: tuple[float, Coefficients] | None = None    # (prior, coefficients)
 
-    def add(self, tokens: int, pairs: int, seconds: float) -> None:
-        x = (float(tokens), pairs * self.pair_ratio)
-        for i in range(2):
+    def add(self, charged: tuple[int, int], pairs: int, seconds: float) -> None:
+        x = (float(charged[0]), float(charged[1]), pairs * self.pair_ratio)
+        for i in range(3):
             self._xy[i] = DECAY * self._xy[i] + x[i] * seconds
-            for j in range(2):
+            for j in range(3):
                 self._xx[i][j] = DECAY * self._xx[i][j] + x[i] * x[j]
         self._fit = None
 
-    def coefficients(self, prior: float) -> tuple[float, float]:
+    def coefficients(self, prior: float) -> Coefficients:
         if self._fit is None or self._fit[0] != prior:
-            self._fit = (prior, *self._solve(prior))
-        return self._fit[1], self._fit[2] * self.pair_ratio
+            filling, token, unit = self._solve(prior)
+            self._fit = (prior, Coefficients(filling, token, unit * self.pair_ratio))
+        return self._fit[1]
 
-    def _solve(self, prior: float) -> tuple[float, float]:
+    def _solve(self, prior: float) -> list[float]:
         """Ridge least squares, each coefficient pulled towards the prior in proportion to its own
-        data; neither below zero (a negative one is held at zero and the other refitted)."""
-        fit = _ridge(self._xx, self._xy, [prior, prior])
-        if fit is None:
-            return prior, prior
-        if min(fit) >= 0:
-            return fit[0], fit[1]
-        keep = 0 if fit[0] >= fit[1] else 1              # the other is held at zero
-        alone = _ridge([[self._xx[keep][keep]]], [self._xy[keep]], [prior])
-        coef = [0.0, 0.0]
-        coef[keep] = max(alone[0], 0.0) if alone else prior
-        return coef[0], coef[1]
+        data (one never seen is the prior); none below zero: the most negative is held at zero
+        and the others refitted, until none is."""
+        coef, free = [0.0] * 3, [0, 1, 2]
+        while free:
+            fit = _ridge([[self._xx[i][j] for j in free] for i in free], [self._xy[i] for i in free],
+                         [prior] * len(free))
+            if fit is None:
+                fit = [prior] * len(free)
+            worst = min(range(len(free)), key=fit.__getitem__)
+            if fit[worst] >= 0:
+                for i, c in zip(free, fit):
+                    coef[i] = c
+                break
+            free.pop(worst)
+        return coef
 
 
 def _ridge(xx: list[list[float]], xy: list[float], prior: list[float]) -> list[float] | None:

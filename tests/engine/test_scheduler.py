@@ -283,15 +283,15 @@ CPU_ROWS = FastRows(48, 16)       # a CPU's fast path: one call up to 48 rows, t
 
 
 def _learned(per_token: float, per_pair: float, decode: float, fast_rows: FastRows | None = None) -> StepCost:
-    """A cost model that has seen steps of a machine whose costs are exactly these (rows paid by
-    whole vectors where the kernels have them)."""
+    """A cost model that has seen steps beside one decode of a machine whose costs are exactly these
+    (rows paid by whole vectors where the kernels have them)."""
     cost = StepCost(pair_ratio=per_pair / per_token if per_pair else 1e-3, fast_rows=fast_rows)
     for _ in range(5):
         cost.record_decode(decode)
     for start, n in ((0, 64), (500, 32), (1500, 48), (100, 200), (800, 16), (300, 100)):
         pairs = attention_pairs(start, n)
-        charged = charged_tokens(n, 0, cost.granule)
-        cost.record_prefill(n, pairs, True, decode + per_token * charged + per_pair * pairs)
+        charged = charged_tokens(n, 1, cost.granule)
+        cost.record_prefill(n, pairs, True, decode + per_token * charged + per_pair * pairs, other_rows=1)
     return cost
 
 
@@ -406,25 +406,35 @@ def test_a_time_budgeted_slice_ends_where_the_steps_rows_fill_a_vector(streams, 
 
 def test_slices_grow_by_doubling_until_a_step_that_wide_is_measured():
     # A fresh cost model sees one slice of one vector, cheap (its rows share the vector with the
-    # decode): by that fit three vectors would fit the budget, but the next slice stops at two,
-    # and only once a step of two vectors is measured may one of three follow.
+    # decode), and prices a vector of its own at the prior: by that three vectors would fit the
+    # budget, but the next slice stops at two, and only once a step of two vectors is measured
+    # may one of three follow.
     decode = 0.020
     cost = StepCost(pair_ratio=1e-4, fast_rows=CPU_ROWS)
     for _ in range(5):
         cost.record_decode(decode)
     cost.record_prefill(15, attention_pairs(100, 15), True, decode + 0.008, other_rows=1)
-    sched = make_scheduler(BlockManager(512, 16, prefix_cache=False), cost, step_budget=3.0, max_num_seqs=8,
+    sched = make_scheduler(BlockManager(512, 16, prefix_cache=False), cost, step_budget=4.0, max_num_seqs=8,
                            chunk_size="auto")
     _decoding(sched)
     newcomer = seq("new", 2000, start=100)
     sched.add(newcomer)
-    assert cost.tokens_within(cost.prompt_seconds(3.0), 100, other_rows=1) >= 47     # what the fit alone allows
+    assert cost.tokens_within(cost.prompt_seconds(4.0), 100, other_rows=1) >= 47     # what the fit alone allows
     plan = sched.schedule()
     assert [i.num_tokens for i in plan.items] == [1, 31]                # 32 rows: two vectors
-    sched.record(plan, decode + 0.012, drafted=False)                   # as cheap a token as the first
+    sched.record(plan, decode + 0.008 * 31 / 15, drafted=False)         # as cheap a token as the first
     run(plan)
     plan = sched.schedule()
     assert [i.num_tokens for i in plan.items] == [1, 47]                # 48 rows: now three
+    sched.record(plan, decode + 0.008 * 47 / 15, drafted=False)
+    run(plan)
+    # Ten slices of one vector later (late in a prompt, say) the wide steps are forgotten, as the
+    # fit forgets them: two vectors at most again, though the fit alone would allow three.
+    for _ in range(10):
+        cost.record_prefill(15, attention_pairs(100, 15), True, decode + 0.008, other_rows=1)
+    assert cost.tokens_within(cost.prompt_seconds(4.0), newcomer.num_computed_tokens, other_rows=1) >= 47
+    plan = sched.schedule()
+    assert [i.num_tokens for i in plan.items] == [1, 31]
 
 
 def test_a_prompts_last_slice_is_what_is_left_whatever_the_vectors():

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from pdchat.engine.model_config import ModelConfig
-from pdchat.engine.step_cost import StepCost, attention_pairs, charged_tokens, pair_flops_ratio
+from pdchat.engine.step_cost import StepCost, attention_pairs, charged_tokens, pair_flops_ratio, vector_split
 from pdchat.kernels import FastRows
 
 
@@ -35,7 +35,8 @@ def _vector_machine(per_token: float, per_pair: float, decode: float) -> StepCos
 
 def test_by_vectors_a_slice_fills_its_last_vector_early_and_ends_where_it_prefills_fastest():
     cost = _vector_machine(1e-3, 1e-6, 0.025)
-    assert cost.coefficients() == (pytest.approx(1e-3, rel=0.02), pytest.approx(1e-6, rel=0.05))
+    assert cost.coefficients() == (pytest.approx(1e-3, rel=0.02), pytest.approx(1e-3, rel=0.02),
+                                   pytest.approx(1e-6, rel=0.05))
 
     def rate(start: int, n: int) -> float:         # prompt tokens a second of the whole step
         return n / cost.step_seconds(cost.prefill_seconds(start, n, other_rows=1))
@@ -57,12 +58,41 @@ def test_by_vectors_a_slice_fills_its_last_vector_early_and_ends_where_it_prefil
     assert cost.tokens_within(0.060, 1500, other_rows=1, floor_s=0.2) == 19
 
 
+def test_tokens_filling_the_decodes_vector_and_tokens_in_vectors_of_their_own_are_priced_apart():
+    assert [vector_split(n, 1, 16) for n in (1, 15, 16, 31, 47)] == [(15, 0), (15, 0), (15, 16), (15, 16), (15, 32)]
+    assert vector_split(5, 16, 16) == (0, 16)       # the decodes ended their vector: nothing to fill
+    assert vector_split(20, 3, 1) == (0, 20)        # rows by any count: every token its own
+    # A machine where the first 15 tokens beside a decode ride its read of the weights (0.5 ms
+    # each) and a vector of their own costs arithmetic (1.2 ms a token), seen mostly on one-vector
+    # slices as the budget picks them.
+    filling, own, per_pair, decode = 0.5e-3, 1.2e-3, 1e-6, 0.015
+
+    def truth(start: int, n: int) -> float:
+        split = vector_split(n, 1, 16)
+        return filling * split[0] + own * split[1] + per_pair * attention_pairs(start, n)
+    cost = StepCost(pair_ratio=per_pair / own, fast_rows=FastRows(48, 16))
+    for _ in range(3):
+        cost.record_decode(decode)
+    for start, n in ((0, 15), (15, 15), (30, 31), (61, 15), (76, 15), (91, 47), (138, 15), (153, 15), (168, 15)):
+        cost.record_prefill(n, attention_pairs(start, n), True, decode + truth(start, n), other_rows=1)
+    assert cost.coefficients() == (pytest.approx(filling, rel=0.02), pytest.approx(own, rel=0.02),
+                                   pytest.approx(per_pair, rel=0.05))
+    for n in (15, 31, 47):
+        assert cost.prefill_seconds(300, n, other_rows=1) == pytest.approx(truth(300, n), rel=0.02)
+    # At the start three vectors (47 tokens) take 47 ms: 46 fit two, 48 all three (at 1.2 ms a
+    # token all three would take 56).
+    assert truth(0, 31) <= 0.046 < truth(0, 47) <= 0.048
+    assert cost.tokens_within(0.046, 0, other_rows=1) == 31
+    assert cost.tokens_within(0.048, 0, other_rows=1) == 47
+
+
 def test_a_whole_prompt_is_charged_by_its_tokens_whatever_the_vectors():
     cost = StepCost(pair_ratio=1e-4, fast_rows=FastRows(48, 16))   # (BLAS takes it, not the vector kernels)
     for n in (17, 100, 250, 1000, 33):
         pairs = attention_pairs(0, n)
         cost.record_prefill(n, pairs, False, 1e-3 * n + 1e-7 * pairs)
-    assert cost.coefficients(decoded=False) == (pytest.approx(1e-3, rel=0.01), pytest.approx(1e-7, rel=0.05))
+    alone = cost.coefficients(decoded=False)
+    assert (alone.token, alone.pair) == (pytest.approx(1e-3, rel=0.01), pytest.approx(1e-7, rel=0.05))
     assert cost.prefill_seconds(0, 17, decoded=False) == pytest.approx(0.017 + 1e-7 * attention_pairs(0, 17), rel=0.01)
 
 
@@ -74,7 +104,7 @@ def test_the_fit_recovers_a_machines_costs_from_its_steps():
     for start, n in ((0, 40), (40, 17), (57, 33), (90, 64), (154, 16), (170, 90), (260, 25), (285, 48)):
         pairs = attention_pairs(start, n)
         cost.record_prefill(n, pairs, True, decode + per_token * n + per_pair * pairs)
-    got_token, got_pair = cost.coefficients()
+    _, got_token, got_pair = cost.coefficients()          # (no vectors: no token fills one)
     assert got_token == pytest.approx(per_token, rel=0.05)
     assert got_pair == pytest.approx(per_pair, rel=0.1)
     n = cost.tokens_within(2 * decode, 1000)
@@ -87,7 +117,7 @@ def test_recent_steps_outweigh_old_ones_when_the_machine_slows_down():
     for speed in (1.0, 3.0):
         for start, n in ((0, 32), (32, 64), (96, 16), (112, 48)) * 8:
             cost.record_prefill(n, attention_pairs(start, n), True, 0.02 + speed * 1e-3 * n)
-    assert cost.coefficients()[0] == pytest.approx(3e-3, rel=0.1)
+    assert cost.coefficients().token == pytest.approx(3e-3, rel=0.1)
 
 
 def test_before_any_prefill_a_slice_of_sixteen_tokens_costs_about_a_decode_step():
@@ -129,7 +159,7 @@ def test_a_long_lone_prompt_does_not_teach_the_slices_beside_streams():
     beside = cost.coefficients()
     cost.record_prefill(1800, attention_pairs(0, 1800), False, 0.026 + 0.4e-3 * 1800)
     assert cost.coefficients() == beside
-    assert cost.coefficients(decoded=False)[0] < beside[0] / 2
+    assert cost.coefficients(decoded=False).token < beside.token / 2
     assert cost.prefill_seconds(0, 1800, decoded=False) == pytest.approx(0.4e-3 * 1800, rel=0.05)
 
 
@@ -141,7 +171,7 @@ def test_a_known_fixed_cost_is_taken_out_of_the_fit_and_out_of_the_budget():
     cost.record_decode(0.00125)
     for n in (128, 300, 700, 64):
         cost.record_prefill(n, 0, True, 0.00125 + 0.010 + 8e-6 * n)
-    assert cost.coefficients()[0] == pytest.approx(8e-6, rel=0.02)
+    assert cost.coefficients().token == pytest.approx(8e-6, rel=0.02)
     # the budget (2.5 decode steps) cannot hold the fixed cost: a slice may cost that much again
     assert cost.prompt_seconds(2.5) == pytest.approx(0.010)
     assert cost.tokens_within(cost.prompt_seconds(2.5), 0) == pytest.approx(1250, abs=2)
