@@ -18,13 +18,14 @@ are the charged ones: the step's rows rounded up to whole vectors, less its deco
 17 prompt tokens beside one decode cost what 31 do (measured at the start of a prompt, default
 model: the decode alone 26 ms, with 15 tokens 39, with 31 56, with 47 75); slices sized by tokens
 alone mostly ended inside a vector (39, 32, 16 tokens beside a decode: 40, 33, 17 rows).
-And the charged tokens come in two kinds with a coefficient each (`vector_split`): those that fill
-the vector the decodes began, and those in vectors of their own. A decode alone is bound by
-reading the weights; the rows that fill its vector ride that read, while each further vector is
-paid in arithmetic (in the measurement above the first 15 tokens cost 13 ms, each further 16
-17-19). One coefficient for both, fitted mostly on one-vector slices, planned two-vector slices
-15-25% short (62-71 ms planned, 68-87 taken) and a three-vector one at 48 ms that took 75: the
-longest steps of stutter runs.
+And a step's vectors are not alike, so the charged tokens count by the vector of the step they are
+in, each vector with its own coefficient (`vector_split`). A decode alone is bound by reading the
+weights: the rows that fill its vector ride that read, while each further vector is paid in
+arithmetic, and on some CPUs a third costs more than a second (2-core AMD EPYC, the default
+model's 30 layers of products: 16 rows 22 ms, 32 rows 41, 48 rows 69). One coefficient for all,
+fitted mostly on one-vector slices, planned two-vector slices 15-25% short (62-71 ms planned,
+68-87 taken) and a three-vector one at 48 ms that took 75: the longest steps of stutter runs. A
+vector not measured yet is priced as the one before it.
 
 Two fits: prompt slices beside decoding streams (what the budget sizes), and prompts prefilled
 with no stream to protect (whole, and the prefill progress's estimate) or in steps past the
@@ -86,24 +87,30 @@ def charged_tokens(tokens: int, other_rows: int, granule: int) -> int:
     return vectors * granule - other_rows
 
 
-def vector_split(tokens: int, other_rows: int, granule: int) -> tuple[int, int]:
-    """A slice's charged tokens (charged_tokens) as (those filling the vector its step's other rows
-    began, those in vectors of their own). No other rows, or rows that end a vector, leave nothing
-    to fill; where rows go by any count (granule 1) every token is of its own."""
-    charged = charged_tokens(tokens, other_rows, granule)
-    filling = min(charged, -other_rows % granule)
-    return filling, charged - filling
+def vector_split(tokens: int, other_rows: int, granule: int, vectors: int) -> tuple[int, ...]:
+    """A slice's charged tokens (charged_tokens) by the vector of its step they are in: the first
+    `vectors` - 1 vectors one count each, the last count for the rest. The step's `other_rows` (its
+    decodes) come first; where rows go by any count (granule 1) every token counts as the first's."""
+    if granule <= 1:
+        return (tokens,) + (0,) * (vectors - 1)
+    end = other_rows + charged_tokens(tokens, other_rows, granule)      # the end of the step's last vector
+    counts = [max(0, min(end, (k + 1) * granule) - max(other_rows, k * granule)) for k in range(vectors)]
+    counts[-1] += max(0, end - max(other_rows, vectors * granule))
+    return tuple(counts)
 
 
 class Coefficients(NamedTuple):
-    """Seconds per charged token filling the decodes' vector, per token in a vector of its own,
-    and per query-key pair."""
-    filling: float
-    token: float
+    """Seconds per charged token in each vector of a step (vector_split), and per query-key pair."""
+    vectors: tuple[float, ...]
     pair: float
 
-    def work(self, split: tuple[int, int], pairs: int) -> float:
-        return self.filling * split[0] + self.token * split[1] + self.pair * pairs
+    @property
+    def token(self) -> float:
+        """Seconds per token in the first vector: every token's where rows go by any count."""
+        return self.vectors[0]
+
+    def work(self, split: tuple[int, ...], pairs: int) -> float:
+        return sum(c * n for c, n in zip(self.vectors, split)) + self.pair * pairs
 
 
 class StepCost:
@@ -116,8 +123,10 @@ class StepCost:
         # What a step with prompt tokens costs beyond a decode step whatever its tokens (seconds;
         # the engine wires in the CUDA graphs' measurement, else none)
         self.fixed: Callable[[], float] = lambda: 0.0
-        self._beside = _Fit(pair_ratio)             # prompt slices in steps with decodes
-        self._alone = _Fit(pair_ratio)              # prompt work in steps without
+        # Vectors a step on the fast path may have (one where rows go by any count)
+        self.vectors = -(-fast_rows.limit // fast_rows.granule) if fast_rows else 1
+        self._beside = _Fit(pair_ratio, self.vectors)       # prompt slices in steps with decodes
+        self._alone = _Fit(pair_ratio, self.vectors)        # prompt work in steps without
         self._slice_rows: deque[int] = deque(maxlen=RECENT_SLICES)    # rows of the latest steps with a slice
 
     def record_decode(self, seconds: float) -> None:
@@ -139,23 +148,24 @@ class StepCost:
         """Rows the kernels' products take at a time (1: any count costs by the row)."""
         return self.fast_rows.granule if self.fast_rows else 1
 
-    def charged(self, tokens: int, other_rows: int, decoded: bool = True) -> tuple[int, int]:
-        """The tokens a step's prompt work is charged for, as (filling, of their own) (vector_split):
+    def charged(self, tokens: int, other_rows: int, decoded: bool = True) -> tuple[int, ...]:
+        """The tokens a step's prompt work is charged for, by the vector they are in (vector_split):
         by whole vectors for slices beside decodes (the kernels' fast path), as they are elsewhere
-        (a whole prompt on BLAS)."""
-        return vector_split(tokens, other_rows, self.granule) if decoded else (0, tokens)
+        (a whole prompt on BLAS, all counted as the first vector's)."""
+        if decoded:
+            return vector_split(tokens, other_rows, self.granule, self.vectors)
+        return (tokens,) + (0,) * (self.vectors - 1)
 
     def slice_rows_cap(self, other_rows: int) -> int:
         """The most rows a step with a slice beside `other_rows` rows of decodes may have before a
         step about that wide is measured: twice the widest of the latest slices, or two vectors
-        (one past the decodes' rows where they fill more). The fit is linear in a slice's
-        vectors, but a CPU's are not all alike (2-core AMD EPYC, default model, the layers'
-        products: 16 rows 22 ms, 32 rows 41, 48 rows 69). Fitted on the first slice alone, the
+        (one past the decodes' rows where they fill more). A vector not measured yet is priced as
+        the one before it, and they are not alike (see above). Fitted on the first slice alone, the
         second was planned at 47 tokens for 40-48 ms and took 74-78: a stall of 3.8-4.1 decode
         steps in each of three fresh engines. Grown by doubling, each size is measured before the
         next is planned; and measured lately, because the fit forgets: after a prompt's late
         slices of one vector, a three-vector slice early in the next prompt was planned at 50 ms
-        and took 76."""
+        and took 76 (when one coefficient priced all of a slice's own vectors)."""
         return max(2 * max(self._slice_rows, default=0), 2 * self.granule, other_rows + self.granule)
 
     def prompt_seconds(self, step_budget: float) -> float:
@@ -178,7 +188,7 @@ class StepCost:
         has `other_rows` rows besides."""
         return self.work_seconds(self.charged(tokens, other_rows, decoded), attention_pairs(start, tokens), decoded)
 
-    def work_seconds(self, charged: tuple[int, int], pairs: int, decoded: bool = True) -> float:
+    def work_seconds(self, charged: tuple[int, ...], pairs: int, decoded: bool = True) -> float:
         """Predicted prompt work of `charged` tokens (StepCost.charged) scoring `pairs` pairs."""
         return self.coefficients(decoded).work(charged, pairs)
 
@@ -201,18 +211,18 @@ class StepCost:
         if self.granule <= 1 or c.token <= 0:
             return min(most, _quadratic_tokens(c.token, c.pair, start, seconds))
         floor_s = self.step_seconds(0.0) if floor_s is None else floor_s
-        g, best, best_rate, k = self.granule, 0, 0.0, other_rows // self.granule + 1
-        while True:
+        g, best, best_rate = self.granule, 0, 0.0
+        for k in range(other_rows // g + 1, self.vectors + 1):
             full = k * g - other_rows                  # the tokens that fill k vectors
-            linear = c.work(vector_split(full, other_rows, g), 0)
+            linear = c.work(self.charged(full, other_rows), 0)
             room = seconds - linear
             if room < 0 or full - g >= most:
-                return best
+                break
             n = min(full, most, _quadratic_tokens(0.0, c.pair, start, room))
             rate = n / (floor_s + linear + c.pair * attention_pairs(start, n)) if n > 0 else 0.0
             if rate > best_rate:
                 best, best_rate = n, rate
-            k += 1
+        return best
 
 
 def _quadratic_tokens(a: float, b: float, start: int, seconds: float) -> int:
@@ -224,34 +234,40 @@ def _quadratic_tokens(a: float, b: float, start: int, seconds: float) -> int:
 
 
 class _Fit:
-    """Prefill seconds ~ per_filling * filling + per_token * own + per_pair * pairs (vector_split),
-    exponentially weighted least squares over (filling tokens, own tokens, pairs in token units)."""
+    """Prefill seconds ~ sum over a step's vectors of per_token[k] * tokens in vector k + per_pair
+    * pairs (vector_split), exponentially weighted least squares over (tokens by vector, pairs in
+    token units)."""
 
-    def __init__(self, pair_ratio: float):
-        self.pair_ratio = pair_ratio
-        self._xx = [[0.0] * 3 for _ in range(3)]
-        self._xy = [0.0] * 3
+    def __init__(self, pair_ratio: float, vectors: int):
+        self.pair_ratio, self.vectors = pair_ratio, vectors
+        n = vectors + 1
+        self._xx = [[0.0] * n for _ in range(n)]
+        self._xy = [0.0] * n
         self._fit: tuple[float, Coefficients] | None = None    # (prior, coefficients)
 
-    def add(self, charged: tuple[int, int], pairs: int, seconds: float) -> None:
-        x = (float(charged[0]), float(charged[1]), pairs * self.pair_ratio)
-        for i in range(3):
-            self._xy[i] = DECAY * self._xy[i] + x[i] * seconds
-            for j in range(3):
-                self._xx[i][j] = DECAY * self._xx[i][j] + x[i] * x[j]
+    def add(self, charged: tuple[int, ...], pairs: int, seconds: float) -> None:
+        x = (*map(float, charged), pairs * self.pair_ratio)
+        for i, xi in enumerate(x):
+            self._xy[i] = DECAY * self._xy[i] + xi * seconds
+            for j, xj in enumerate(x):
+                self._xx[i][j] = DECAY * self._xx[i][j] + xi * xj
         self._fit = None
 
     def coefficients(self, prior: float) -> Coefficients:
         if self._fit is None or self._fit[0] != prior:
-            filling, token, unit = self._solve(prior)
-            self._fit = (prior, Coefficients(filling, token, unit * self.pair_ratio))
+            coef = self._solve(prior)
+            for k in range(1, self.vectors):       # a vector never measured: priced as the one before
+                if self._xx[k][k] == 0.0:
+                    coef[k] = coef[k - 1]
+            self._fit = (prior, Coefficients(tuple(coef[:-1]), coef[-1] * self.pair_ratio))
         return self._fit[1]
 
     def _solve(self, prior: float) -> list[float]:
         """Ridge least squares, each coefficient pulled towards the prior in proportion to its own
         data (one never seen is the prior); none below zero: the most negative is held at zero
         and the others refitted, until none is."""
-        coef, free = [0.0] * 3, [0, 1, 2]
+        n = len(self._xy)
+        coef, free = [0.0] * n, list(range(n))
         while free:
             fit = _ridge([[self._xx[i][j] for j in free] for i in free], [self._xy[i] for i in free],
                          [prior] * len(free))

@@ -35,8 +35,7 @@ def _vector_machine(per_token: float, per_pair: float, decode: float) -> StepCos
 
 def test_by_vectors_a_slice_fills_its_last_vector_early_and_ends_where_it_prefills_fastest():
     cost = _vector_machine(1e-3, 1e-6, 0.025)
-    assert cost.coefficients() == (pytest.approx(1e-3, rel=0.02), pytest.approx(1e-3, rel=0.02),
-                                   pytest.approx(1e-6, rel=0.05))
+    assert cost.coefficients() == ((pytest.approx(1e-3, rel=0.02),) * 3, pytest.approx(1e-6, rel=0.05))
 
     def rate(start: int, n: int) -> float:         # prompt tokens a second of the whole step
         return n / cost.step_seconds(cost.prefill_seconds(start, n, other_rows=1))
@@ -58,32 +57,43 @@ def test_by_vectors_a_slice_fills_its_last_vector_early_and_ends_where_it_prefil
     assert cost.tokens_within(0.060, 1500, other_rows=1, floor_s=0.2) == 19
 
 
-def test_tokens_filling_the_decodes_vector_and_tokens_in_vectors_of_their_own_are_priced_apart():
-    assert [vector_split(n, 1, 16) for n in (1, 15, 16, 31, 47)] == [(15, 0), (15, 0), (15, 16), (15, 16), (15, 32)]
-    assert vector_split(5, 16, 16) == (0, 16)       # the decodes ended their vector: nothing to fill
-    assert vector_split(20, 3, 1) == (0, 20)        # rows by any count: every token its own
+def test_each_vector_of_a_step_has_its_own_price_and_one_never_measured_is_priced_as_the_one_before():
+    assert [vector_split(n, 1, 16, 3) for n in (1, 15, 16, 31, 47)] == \
+        [(15, 0, 0), (15, 0, 0), (15, 16, 0), (15, 16, 0), (15, 16, 16)]
+    assert vector_split(5, 16, 16, 3) == (0, 16, 0)       # the decodes ended the first vector
+    assert vector_split(5, 20, 16, 3) == (0, 12, 0)       # ... and began the second: the slice fills it
+    assert vector_split(40, 1, 16, 2) == (15, 32)         # past the last vector: counted as the last's
+    assert vector_split(20, 3, 1, 1) == (20,)             # rows by any count: every token the first's
     # A machine where the first 15 tokens beside a decode ride its read of the weights (0.5 ms
-    # each) and a vector of their own costs arithmetic (1.2 ms a token), seen mostly on one-vector
-    # slices as the budget picks them.
-    filling, own, per_pair, decode = 0.5e-3, 1.2e-3, 1e-6, 0.015
+    # each), a second vector costs arithmetic (1.2 ms a token) and a third more (1.8).
+    per_vector, per_pair, decode = (0.5e-3, 1.2e-3, 1.8e-3), 1e-6, 0.015
 
     def truth(start: int, n: int) -> float:
-        split = vector_split(n, 1, 16)
-        return filling * split[0] + own * split[1] + per_pair * attention_pairs(start, n)
-    cost = StepCost(pair_ratio=per_pair / own, fast_rows=FastRows(48, 16))
-    for _ in range(3):
-        cost.record_decode(decode)
-    for start, n in ((0, 15), (15, 15), (30, 31), (61, 15), (76, 15), (91, 47), (138, 15), (153, 15), (168, 15)):
-        cost.record_prefill(n, attention_pairs(start, n), True, decode + truth(start, n), other_rows=1)
-    assert cost.coefficients() == (pytest.approx(filling, rel=0.02), pytest.approx(own, rel=0.02),
+        split = vector_split(n, 1, 16, 3)
+        return sum(c * k for c, k in zip(per_vector, split)) + per_pair * attention_pairs(start, n)
+
+    def seen(slices: tuple[tuple[int, int], ...]) -> StepCost:
+        cost = StepCost(pair_ratio=per_pair / 1.2e-3, fast_rows=FastRows(48, 16))
+        for _ in range(3):
+            cost.record_decode(decode)
+        for start, n in slices:
+            cost.record_prefill(n, attention_pairs(start, n), True, decode + truth(start, n), other_rows=1)
+        return cost
+    # Seen one- and two-vector slices only: the third vector is priced as the second.
+    cost = seen(((0, 15), (15, 15), (30, 31), (61, 15), (76, 15), (91, 31), (122, 15), (137, 15)))
+    assert cost.coefficients() == ((pytest.approx(0.5e-3, rel=0.02), pytest.approx(1.2e-3, rel=0.02),
+                                    pytest.approx(1.2e-3, rel=0.02)), pytest.approx(per_pair, rel=0.05))
+    # Then a three-vector one: each is the machine's, and so are the predictions.
+    cost = seen(((0, 15), (15, 15), (30, 31), (61, 15), (76, 47), (123, 15), (138, 31), (169, 15), (184, 15)))
+    assert cost.coefficients() == (tuple(pytest.approx(c, rel=0.02) for c in per_vector),
                                    pytest.approx(per_pair, rel=0.05))
     for n in (15, 31, 47):
         assert cost.prefill_seconds(300, n, other_rows=1) == pytest.approx(truth(300, n), rel=0.02)
-    # At the start three vectors (47 tokens) take 47 ms: 46 fit two, 48 all three (at 1.2 ms a
-    # token all three would take 56).
-    assert truth(0, 31) <= 0.046 < truth(0, 47) <= 0.048
-    assert cost.tokens_within(0.046, 0, other_rows=1) == 31
-    assert cost.tokens_within(0.048, 0, other_rows=1) == 47
+    # At the start 47 tokens take 56.3 ms, 31 take 27.2: a budget of 57 holds either, and the
+    # two vectors prefill more tokens a second of the whole step.
+    assert truth(0, 47) <= 0.057
+    assert cost.tokens_within(0.057, 0, other_rows=1) == 31
+    assert 31 / (decode + truth(0, 31)) > 47 / (decode + truth(0, 47))
 
 
 def test_a_whole_prompt_is_charged_by_its_tokens_whatever_the_vectors():
@@ -104,7 +114,7 @@ def test_the_fit_recovers_a_machines_costs_from_its_steps():
     for start, n in ((0, 40), (40, 17), (57, 33), (90, 64), (154, 16), (170, 90), (260, 25), (285, 48)):
         pairs = attention_pairs(start, n)
         cost.record_prefill(n, pairs, True, decode + per_token * n + per_pair * pairs)
-    _, got_token, got_pair = cost.coefficients()          # (no vectors: no token fills one)
+    got_token, got_pair = cost.coefficients().token, cost.coefficients().pair
     assert got_token == pytest.approx(per_token, rel=0.05)
     assert got_pair == pytest.approx(per_pair, rel=0.1)
     n = cost.tokens_within(2 * decode, 1000)
