@@ -1512,6 +1512,15 @@ static inline float *result_row(const struct attention_job *job, int64_t at, int
     return job->parts == 1 ? job->out + at * job->D : job->partial + (at * job->parts + part) * (job->D + 2);
 }
 
+/* Key j's row of one KV head (at `head`) in both caches, fetched into cache. */
+static inline void prefetch_key(const struct attention_job *job, const int32_t *table, size_t head, int j) {
+    size_t at = ((size_t)table[j / job->bs] * job->bs + j % job->bs) * job->KVH * job->D + head;
+    for (int d = 0; d < job->D; d += 16) {    /* (a 64-byte line) */
+        __builtin_prefetch(job->k_cache + at + d, 0, 3);
+        __builtin_prefetch(job->v_cache + at + d, 0, 3);
+    }
+}
+
 /* Sequences of TILE_MIN_QUERIES or more queries (prefill slices, long verifies) go by tiles
  * (attention_tiles); the others one (token, KV head) pair at a time (attention_groups). */
 #define TILE_MIN_QUERIES 4
@@ -1615,6 +1624,8 @@ static void attend_tile(const struct attention_job *job, const float *const *qro
         size_t first = ((size_t)table[j0 / bs] * bs + j0 % bs) * row + head;
         lanes acc[TK], scale;
         float sc[TK][TR], alpha[TR];
+        for (int j = j0 + nk; j < j0 + nk + TK && j <= last; j++)    /* the next keys' rows, meanwhile */
+            prefetch_key(job, table, head, j);
         score_keys(job->k_cache + first, row, nk, D, qt, acc);
         memcpy(sc, acc, sizeof sc);
         softmax_keys(sc, nk, j0, lim, m, l, alpha);
@@ -1689,15 +1700,6 @@ static inline float sum_lanes(lanes v) {
     memcpy(&d, (const char *)&a + sizeof c, sizeof d);
     c += d;
     return (c[0] + c[2]) + (c[1] + c[3]);
-}
-
-/* Key j's row of one KV head (at `head`) in both caches, fetched into cache. */
-static inline void prefetch_key(const struct attention_job *job, const int32_t *table, size_t head, int j) {
-    size_t at = ((size_t)table[j / job->bs] * job->bs + j % job->bs) * job->KVH * job->D + head;
-    for (int d = 0; d < job->D; d += 16) {    /* (a 64-byte line) */
-        __builtin_prefetch(job->k_cache + at + d, 0, 3);
-        __builtin_prefetch(job->v_cache + at + d, 0, 3);
-    }
 }
 
 /* One query token's G heads of one KV head, as attend_heads carries them over the keys: the
