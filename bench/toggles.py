@@ -29,7 +29,7 @@ def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, A
     sizes = dict(conversation_words=120, long_prompt_words=QUICK_NEWCOMER_WORDS, batch=4, naive_position=100,
                  repeats=1, budgets=[config.step_budget], chunks=[16, None], rounds=1) if quick else \
         dict(conversation_words=1500, long_prompt_words=NEWCOMER_WORDS, batch=16, naive_position=500, repeats=3,
-             budgets=[2.0, 2.5, 3.0, 4.0, 6.0], chunks=[16, 32, 64, 128, 256, None], rounds=3)
+             budgets=[2.0, 2.5, 3.0, 3.5, 4.0, 6.0], chunks=[16, 32, 64, 128, 256, None], rounds=3)
     engine = Engine(replace(config, telemetry=False), say=lambda m: None)
     try:
         out: dict[str, Any] = {"model": config.model, "device": str(engine.device), "inputs": sizes}
