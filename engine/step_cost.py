@@ -208,7 +208,7 @@ class StepCost:
             return 0
         c = self.coefficients()
         most = 1 << 30 if most is None else most
-        if self.granule <= 1 or c.token <= 0:
+        if self.granule <= 1:
             return min(most, _quadratic_tokens(c.token, c.pair, start, seconds))
         floor_s = self.step_seconds(0.0) if floor_s is None else floor_s
         g, best, best_rate = self.granule, 0, 0.0

@@ -96,6 +96,25 @@ def test_each_vector_of_a_step_has_its_own_price_and_one_never_measured_is_price
     assert 31 / (decode + truth(0, 31)) > 47 / (decode + truth(0, 47))
 
 
+def test_a_first_vector_fitted_free_still_leaves_the_next_vectors_charged():
+    # Late one-vector slices that cost less than their pairs say (the decode step they are
+    # measured against was slower) fit the first vector at zero: a second vector must still be
+    # paid for (it once was not, and 18-27-token slices were planned at 80-109 ms against 64).
+    per_pair, own, decode = 1e-6, 1.2e-3, 0.02
+    cost = StepCost(pair_ratio=per_pair / own, fast_rows=FastRows(48, 16))
+    cost.record_decode(decode)
+    for start in (0, 31):
+        cost.record_prefill(31, attention_pairs(start, 31), True,
+                            decode + 16 * own + per_pair * attention_pairs(start, 31), other_rows=1)
+    for start in range(1000, 1500, 15):
+        cost.record_prefill(15, attention_pairs(start, 15), True,
+                            decode + per_pair * attention_pairs(start, 15) - 0.0005, other_rows=1)
+    assert cost.coefficients().token == 0.0
+    budget = per_pair * attention_pairs(1500, 20)          # the pairs of 20 tokens, not a vector's worth
+    assert cost.tokens_within(budget, 1500, other_rows=1) == 15
+    assert cost.prefill_seconds(1500, 15, other_rows=1) <= budget < cost.prefill_seconds(1500, 16, other_rows=1)
+
+
 def test_a_whole_prompt_is_charged_by_its_tokens_whatever_the_vectors():
     cost = StepCost(pair_ratio=1e-4, fast_rows=FastRows(48, 16))   # (BLAS takes it, not the vector kernels)
     for n in (17, 100, 250, 1000, 33):
