@@ -29,9 +29,12 @@ class Work:
 
 @dataclass
 class StepLogits:
-    """A step's logits: only the rows that sample, item i's rows from starts[i] to starts[i + 1]."""
+    """A step's logits: only the rows that sample, item i's rows from starts[i] to starts[i + 1];
+    and the seconds its forward spent in the attention of sequences of several queries, where the
+    kernels time it (the step cost model's measure of a slice's attention)."""
     logits: torch.Tensor
     starts: list[int]
+    tile_seconds: float | None = None
 
     def rows(self, idx: int) -> torch.Tensor:
         return self.logits[self.starts[idx]:self.starts[idx + 1]]
@@ -156,7 +159,8 @@ class ModelRunner:
         starts = [0]
         for r in rows:
             starts.append(starts[-1] + len(r))
-        return StepLogits(self.forward(work, rows, on_layer), starts)
+        logits = self.forward(work, rows, on_layer)
+        return StepLogits(logits, starts, self.model.ops.tile_seconds())
 
     def _decode_from_graphs(self, items: list[ScheduledSeq], drafts: dict[int, list[int]]) -> torch.Tensor | None:
         """A decode-only step's logits from a graph: replayed ahead by the last step, or now; None

@@ -123,12 +123,14 @@ class Scheduler:
         self._admit_waiting(step)
         return step.plan()
 
-    def record(self, plan: StepPlan, seconds: float, drafted: bool) -> None:
+    def record(self, plan: StepPlan, seconds: float, drafted: bool, tile_seconds: float | None = None) -> None:
         """What a step took, for the cost model: a decode-only step without drafts gives the decode
-        time, a step with prompt tokens the cost of its prefill work."""
+        time, a step with prompt tokens the cost of its prefill work (and of their attention alone,
+        `tile_seconds`, where the kernels timed it)."""
         if plan.prompt_tokens:
             sliced = _as_slice(plan.prompt_tokens, plan.num_decode_tokens, self.cost.fast_rows)
-            self.cost.record_prefill(plan.prompt_tokens, plan.prompt_pairs, sliced, seconds, plan.num_decode_tokens)
+            self.cost.record_prefill(plan.prompt_tokens, plan.prompt_pairs, sliced, seconds, plan.num_decode_tokens,
+                                     attention_s=tile_seconds)
         elif plan.decode_only and not drafted:
             self.cost.record_decode(seconds)
 

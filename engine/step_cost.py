@@ -59,6 +59,7 @@ if TYPE_CHECKING:
 
 DECAY = 0.9              # weight of an observation after each newer one (the fit follows the machine)
 RECENT_SLICES = 10       # slices whose widths say what was measured lately: about the fit's memory
+FORGOTTEN_AFTER = 30     # steps after which a vector measured once weighs as much as its neighbour's price
 PRIOR_WEIGHT = 1e-4       # of the prior against one observation: it only matters before there are some
 PRIOR_SLICE = 16         # tokens whose prefill costs about one decode step, before anything is measured
 PRIOR_TOKEN_SECONDS = 1e-3   # per prompt token, before even a decode step was measured
@@ -125,23 +126,26 @@ class StepCost:
         self.fixed: Callable[[], float] = lambda: 0.0
         # Vectors a step on the fast path may have (one where rows go by any count)
         self.vectors = -(-fast_rows.limit // fast_rows.granule) if fast_rows else 1
-        self._beside = _Fit(pair_ratio, self.vectors)       # prompt slices in steps with decodes
-        self._alone = _Fit(pair_ratio, self.vectors)        # prompt work in steps without
+        forget = self.granule ** 2 * DECAY ** FORGOTTEN_AFTER
+        self._beside = _Fit(pair_ratio, self.vectors, forget)       # prompt slices in steps with decodes
+        self._alone = _Fit(pair_ratio, self.vectors, forget)        # prompt work in steps without
         self._slice_rows: deque[int] = deque(maxlen=RECENT_SLICES)    # rows of the latest steps with a slice
 
     def record_decode(self, seconds: float) -> None:
         """A decode-only step (no prompt tokens, no drafts) took `seconds`."""
         self.decode_s = seconds if self.decode_s is None else DECAY * self.decode_s + (1 - DECAY) * seconds
 
-    def record_prefill(self, tokens: int, pairs: int, decoded: bool, seconds: float, other_rows: int = 0) -> None:
+    def record_prefill(self, tokens: int, pairs: int, decoded: bool, seconds: float, other_rows: int = 0,
+                       attention_s: float | None = None) -> None:
         """A step computed `tokens` prompt tokens scoring `pairs` query-key pairs (beside decodes
-        when `decoded`, `other_rows` rows of them) in `seconds`."""
+        when `decoded`, `other_rows` rows of them) in `seconds`, `attention_s` of them in the pairs'
+        attention where the kernels timed it."""
         if tokens > 0:
             if decoded:
                 self._slice_rows.append(tokens + other_rows)
             work = seconds - (self.decode_s or 0.0) - self.fixed()
             (self._beside if decoded else self._alone).add(self.charged(tokens, other_rows, decoded), pairs,
-                                                           max(work, 0.0))
+                                                           max(work, 0.0), attention_s)
 
     @property
     def granule(self) -> int:
@@ -234,45 +238,71 @@ def _quadratic_tokens(a: float, b: float, start: int, seconds: float) -> int:
 
 
 class _Fit:
-    """Prefill seconds ~ sum over a step's vectors of per_token[k] * tokens in vector k + per_pair
-    * pairs (vector_split), exponentially weighted least squares over (tokens by vector, pairs in
-    token units)."""
+    """Prefill seconds ~ sum over a step's vectors of per_token[k] * its tokens in vector k
+    (vector_split) + per_pair * pairs: exponentially weighted least squares over (tokens by vector,
+    pairs in token units). Where the kernels time the attention apart (`attention_s`) per_pair is
+    fitted on that time alone and the vectors on the rest: from the step times alone the two trade
+    places, since the slices a budget picks late in a prompt are alike (one vector, their pairs
+    growing slowly), and the vectors' prices with them (measured: a second vector's price drifted
+    from 1.1 to 2.7-3.1 ms a token as the first vector's fell to zero, and no two-vector slice was
+    planned again). Each vector past the first is pulled towards the price of the one before it
+    with a fixed weight (`forget`): a vector measured once and not since is priced as its
+    neighbour again after a while, so one slow step cannot keep slices of that width out for good."""
 
-    def __init__(self, pair_ratio: float, vectors: int):
-        self.pair_ratio, self.vectors = pair_ratio, vectors
-        n = vectors + 1
+    def __init__(self, pair_ratio: float, vectors: int, forget: float):
+        self.pair_ratio, self.vectors, self.forget = pair_ratio, vectors, forget
+        n = vectors + 1                     # the vectors' tokens, then the pairs
         self._xx = [[0.0] * n for _ in range(n)]
         self._xy = [0.0] * n
+        self._attention = [0.0, 0.0]        # sums of pairs * attention seconds and of pairs^2
         self._fit: tuple[float, Coefficients] | None = None    # (prior, coefficients)
 
-    def add(self, charged: tuple[int, ...], pairs: int, seconds: float) -> None:
+    def add(self, charged: tuple[int, ...], pairs: int, seconds: float, attention_s: float | None = None) -> None:
         x = (*map(float, charged), pairs * self.pair_ratio)
         for i, xi in enumerate(x):
             self._xy[i] = DECAY * self._xy[i] + xi * seconds
             for j, xj in enumerate(x):
                 self._xx[i][j] = DECAY * self._xx[i][j] + xi * xj
+        self._attention = [DECAY * v for v in self._attention]
+        if attention_s is not None:
+            self._attention[0] += pairs * attention_s
+            self._attention[1] += float(pairs) * pairs
         self._fit = None
 
     def coefficients(self, prior: float) -> Coefficients:
         if self._fit is None or self._fit[0] != prior:
-            coef = self._solve(prior)
-            for k in range(1, self.vectors):       # a vector never measured: priced as the one before
-                if self._xx[k][k] == 0.0:
-                    coef[k] = coef[k - 1]
+            timed = self._attention[1] > 0
+            coef = self._solve(prior, self._attention[0] / self._attention[1] / self.pair_ratio if timed else None)
             self._fit = (prior, Coefficients(tuple(coef[:-1]), coef[-1] * self.pair_ratio))
         return self._fit[1]
 
-    def _solve(self, prior: float) -> list[float]:
-        """Ridge least squares, each coefficient pulled towards the prior in proportion to its own
-        data (one never seen is the prior); none below zero: the most negative is held at zero
-        and the others refitted, until none is."""
-        n = len(self._xy)
-        coef, free = [0.0] * n, list(range(n))
+    def _solve(self, prior: float, unit: float | None) -> list[float]:
+        """Least squares with two penalties: each coefficient pulled towards the prior in
+        proportion to its own data (it only matters before there is some), and each vector past
+        the first towards the one before it by `forget` (one never measured is priced as its
+        neighbour). The pairs' coefficient is fixed at `unit` where it was timed apart. None below
+        zero: the most negative is held at zero and the others refitted, until none is."""
+        n, pair = self.vectors + 1, self.vectors
+        coef = [0.0] * n
+        if unit is not None:
+            coef[pair] = unit
+        free = [i for i in range(n) if unit is None or i != pair]
         while free:
-            fit = _ridge([[self._xx[i][j] for j in free] for i in free], [self._xy[i] for i in free],
-                         [prior] * len(free))
-            if fit is None:
-                fit = [prior] * len(free)
+            at = {i: f for f, i in enumerate(free)}
+            a = [[self._xx[i][j] for j in free] for i in free]
+            b = [self._xy[i] - (unit * self._xx[i][pair] if unit is not None else 0.0) for i in free]
+            for f, i in enumerate(free):
+                r = PRIOR_WEIGHT * max(self._xx[i][i], 1e-12)
+                a[f][f] += r
+                b[f] += r * prior
+            for k in range(1, self.vectors):
+                if k in at:                 # (a neighbour held at zero pulls towards zero)
+                    a[at[k]][at[k]] += self.forget
+                    if k - 1 in at:
+                        a[at[k - 1]][at[k - 1]] += self.forget
+                        a[at[k]][at[k - 1]] -= self.forget
+                        a[at[k - 1]][at[k]] -= self.forget
+            fit = _linear_solve(a, b) or [prior] * len(free)
             worst = min(range(len(free)), key=fit.__getitem__)
             if fit[worst] >= 0:
                 for i, c in zip(free, fit):
@@ -282,14 +312,10 @@ class _Fit:
         return coef
 
 
-def _ridge(xx: list[list[float]], xy: list[float], prior: list[float]) -> list[float] | None:
-    """Solve (XX + R) c = XY + R prior with R = PRIOR_WEIGHT * diag(XX) (Gaussian elimination);
-    None when singular."""
-    n = len(xy)
-    rows = []
-    for i in range(n):
-        r = PRIOR_WEIGHT * max(xx[i][i], 1e-12)
-        rows.append([xx[i][j] + (r if i == j else 0.0) for j in range(n)] + [xy[i] + r * prior[i]])
+def _linear_solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Solve a c = b (Gaussian elimination with pivoting); None when singular."""
+    n = len(b)
+    rows = [a[i][:] + [b[i]] for i in range(n)]
     for c in range(n):
         pivot = max(range(c, n), key=lambda i: abs(rows[i][c]))
         if abs(rows[pivot][c]) < 1e-18:

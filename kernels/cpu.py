@@ -172,7 +172,7 @@ _SIGNATURES = {
     "pd_paged_attention": ([_P, _L, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _P, _I], None),
     "pd_pool_counts": ([_P, _P], None),
     "pd_pool_spin": ([_I], None),
-    "pd_layers": ([_P, _F, _P, _P, _P, _P, _P, _P, _P, _P, _L, _P, _I, _P, _P, _I, _I, _F, _I, _I], _I),
+    "pd_layers": ([_P, _F, _P, _P, _P, _P, _P, _P, _P, _P, _L, _P, _I, _P, _P, _I, _I, _F, _I, _I, _P], _I),
 }
 WEIGHTS_INT8, WEIGHTS_INT4 = 1, 2   # how C names a weight format (PD_WEIGHTS_* in cpu_kernels.c)
 PTRS_PER_LAYER = 16        # pd_layers: qkv (weight, scales, bias), q/k norm, o (3), norm, gate_up (3), down (3), norm
@@ -276,6 +276,7 @@ class CpuKernels:
         # rows up to which the C int8 and int4 products beat BLAS on unpacked weights
         self.quant_max_rows = max(LINEAR_MAX_ROWS, lib.pd_quant_max_rows())
         self._split: tuple[torch.Tensor, list[KernelShare]] | None = None   # this forward's (paged_attention)
+        self._tile_seconds: float | None = None     # the last forward's (tile_seconds)
 
     # -- helpers -------------------------------------------------------------------------------
     @staticmethod
@@ -444,6 +445,7 @@ class CpuKernels:
                 and batch.slot_mapping.dtype == torch.int64
                 and all(map(attention_in_c, batch.query_lens_host, batch.context_lens_host)))
         self.lib.pd_pool_spin(in_c)
+        self._tile_seconds = None
         if not in_c:
             return False
         T = x.shape[0]
@@ -451,14 +453,21 @@ class CpuKernels:
         cu_q = batch.query_start_loc.to(torch.int32).contiguous()
         ctx = batch.context_lens.to(torch.int32).contiguous()
         slots = batch.slot_mapping.contiguous()
+        tile_seconds = ctypes.c_double(0.0)
         status = self.lib.pd_layers(plan.dims, plan.eps, plan.ptrs, x.data_ptr(), h.data_ptr(), cos.data_ptr(),
                                     sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                     k_cache.stride(0), tables.data_ptr(), tables.shape[1], cu_q.data_ptr(),
                                     ctx.data_ptr(), len(ctx), k_cache.shape[2], batch.scale, T,
-                                    torch.get_num_threads())
+                                    torch.get_num_threads(), ctypes.byref(tile_seconds))
         if status != 0:
             raise MemoryError("CPU layers: out of memory for the activations")
+        self._tile_seconds = tile_seconds.value
         return True
+
+    def tile_seconds(self) -> float | None:
+        """Seconds the last forward spent in the attention of sequences of several queries (the
+        tiles: prefill slices, verifies), as pd_layers times it; None after a forward op by op."""
+        return self._tile_seconds
 
     # -- attention -------------------------------------------------------------------------------
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define PD_INT8_PORTABLE 0
 #define PD_INT8_AVX2 1
@@ -1885,9 +1886,18 @@ static void attend_in_parts(struct attention_job *job, int T, int items, int par
     job->partial = NULL;
 }
 
-void pd_paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                        const int32_t *tables, int max_blocks, const int32_t *cu_q, const int32_t *ctx,
-                        int S, int H, int KVH, int D, int bs, float scale, float *out, int threads) {
+static double seconds_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+/* pd_paged_attention; where `tile_seconds` is given, the time the tiled sequences took is added to
+ * it (the step cost model fits a prompt's attention from it, apart from the products). */
+static void paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                            const int32_t *tables, int max_blocks, const int32_t *cu_q, const int32_t *ctx,
+                            int S, int H, int KVH, int D, int bs, float scale, float *out, int threads,
+                            double *tile_seconds) {
     int64_t macs = 0;
     for (int s = 0; s < S; s++) macs += (int64_t)(cu_q[s + 1] - cu_q[s]) * ctx[s] * H * D * 2;
     struct attention_job job = {q, k_cache, v_cache, q_stride, tables, cu_q, ctx, max_blocks, H, KVH, D, bs,
@@ -1899,9 +1909,20 @@ void pd_paged_attention(const float *q, int64_t q_stride, const float *k_cache, 
         else short_queries += n, longest = max_i(longest, ctx[s]);
     }
     int par = macs >= ATTENTION_PAR_MACS ? threads : 1;
-    if (tiles) attend_in_parts(&job, cu_q[S], tiles, key_parts(tiles, par, longest_tiled), par, 0);
+    if (tiles) {
+        double start = tile_seconds ? seconds_now() : 0.0;
+        attend_in_parts(&job, cu_q[S], tiles, key_parts(tiles, par, longest_tiled), par, 0);
+        if (tile_seconds) *tile_seconds += seconds_now() - start;
+    }
     if (short_queries)
         attend_in_parts(&job, cu_q[S], cu_q[S] * KVH, key_parts(short_queries * KVH, par, longest), par, 1);
+}
+
+void pd_paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                        const int32_t *tables, int max_blocks, const int32_t *cu_q, const int32_t *ctx,
+                        int S, int H, int KVH, int D, int bs, float scale, float *out, int threads) {
+    paged_attention(q, q_stride, k_cache, v_cache, tables, max_blocks, cu_q, ctx, S, H, KVH, D, bs, scale, out,
+                    threads, NULL);
 }
 
 /* ---- whole layers: one call per forward, so a decode step pays Python's overhead once ---- */
@@ -1938,11 +1959,12 @@ enum { W_QKV = 0, W_Q_NORM = 3, W_K_NORM, W_O, W_NORM_MLP = 8, W_GATE_UP, W_DOWN
  * normalised form), exactly as the model's op-by-op forward (engine/model.py) does with these
  * kernels. dims = {layers, D, H, KVH, head_dim, intermediate, weight format}; ptrs: PTRS_PER_LAYER per layer in
  * the order above (q/k norm NULL when the model has none). The caches hold all layers,
- * `layer_stride` floats apart. Returns -1 if out of memory. */
+ * `layer_stride` floats apart. The seconds the tiled sequences' attention took are added to
+ * *tile_seconds where it is given. Returns -1 if out of memory. */
 int pd_layers(const int *dims, float eps, const void *const *ptrs, float *x, float *h, const float *cos,
               const float *sin, const int64_t *slots, float *k_cache, float *v_cache, int64_t layer_stride,
               const int32_t *tables, int max_blocks, const int32_t *cu_q, const int32_t *ctx, int S, int bs,
-              float scale, int T, int threads) {
+              float scale, int T, int threads, double *tile_seconds) {
     int L = dims[0], D = dims[1], H = dims[2], KVH = dims[3], Dh = dims[4], I = dims[5], F = dims[6];
     int Nq = H * Dh, Nkv = KVH * Dh, Nqkv = Nq + 2 * Nkv;
     float *qkv = malloc(sizeof(float) * (size_t)T * (Nqkv + Nq + D + 3 * (size_t)I));
@@ -1961,7 +1983,8 @@ int pd_layers(const int *dims, float eps, const void *const *ptrs, float *x, flo
             }
         pd_rope(q, Nqkv, H, k, Nqkv, KVH, cos, sin, T, Dh, threads);
         pd_store_kv(k, Nqkv, v, Nqkv, kc, vc, slots, T, KVH, Dh);
-        pd_paged_attention(q, Nqkv, kc, vc, tables, max_blocks, cu_q, ctx, S, H, KVH, Dh, bs, scale, att, threads);
+        paged_attention(q, Nqkv, kc, vc, tables, max_blocks, cu_q, ctx, S, H, KVH, Dh, bs, scale, att, threads,
+                        tile_seconds);
         status |= linear_any(att, p + W_O, F, delta, T, D, Nq, threads);
         pd_add_rms_norm(x, delta, p[W_NORM_MLP], h, T, D, eps, threads);
         status |= linear_any(h, p + W_GATE_UP, F, gu, T, 2 * I, D, threads);

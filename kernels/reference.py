@@ -259,6 +259,12 @@ def run_layers(plan: object | None, x: torch.Tensor, h: torch.Tensor, cos: torch
     return False
 
 
+def tile_seconds() -> float | None:
+    """Seconds the last run_layers that ran spent in the attention of sequences of several queries
+    (prefill slices, verifies), where the backend times it; None here."""
+    return None
+
+
 def decode_forward(plan: object | None, head: object, input_ids: torch.Tensor, positions: torch.Tensor,
                    batch: object) -> torch.Tensor | None:
     """A whole decode step's fp32 logits in one call (see triton_decode); None when the backend

@@ -489,3 +489,15 @@ def test_the_cost_model_learns_decode_steps_without_drafts_and_every_prefill():
     assert cost.decode_s is None
     sched.record(decode, 0.020, drafted=False)
     assert cost.decode_s == 0.020
+
+
+def test_a_slices_timed_attention_reaches_the_cost_model():
+    cost = StepCost(pair_ratio=1e-3, fast_rows=CPU_ROWS)
+    sched = make_scheduler(BlockManager(512, 16, prefix_cache=False), cost, max_num_seqs=8, chunk_size="auto")
+    _decoding(sched)
+    sched.record(sched.schedule(), 0.020, drafted=False)          # a decode step
+    sched.add(seq("new", 200, start=100))
+    plan = sched.schedule()
+    assert plan.prompt_tokens and plan.num_decode_tokens == 1
+    sched.record(plan, 0.045, drafted=False, tile_seconds=0.004)
+    assert cost.coefficients().pair == pytest.approx(0.004 / plan.prompt_pairs)

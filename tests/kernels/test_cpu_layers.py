@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pdchat.engine import Engine, quant
+from pdchat.engine.config import SamplingParams
 from pdchat.engine.model_runner import Work
 from pdchat.kernels import reference
 
@@ -111,3 +112,27 @@ def test_the_pool_spins_only_through_a_one_call_forward(engine, monkeypatch):
     runner.forward([Work([3, 4, 5], 0, [1])], [[2]])                          # one C call
     runner.forward([Work(list(range(50)), 0, [1, 2, 3, 4, 5, 6, 7])], [[49]])   # op by op (50 rows)
     assert calls == [True, False] and told == [True, False]
+
+
+def test_the_one_call_forward_times_the_attention_of_sequences_of_several_queries(engine):
+    runner, ops = engine.runner, engine.runner.model.ops
+    runner.forward([Work(list(range(1, 8)), 0, [3])], [[6]])          # a 7-token prompt: tiles
+    assert ops.tile_seconds() > 0
+    runner.forward([Work([9], 7, [3])], [[0]])                          # a decode: no tiles
+    assert ops.tile_seconds() == 0.0
+    runner.forward([Work(list(range(50)), 0, [1, 2, 3, 4, 5, 6, 7])], [[49]])   # op by op: not timed
+    assert ops.tile_seconds() is None
+
+
+def test_each_step_hands_the_scheduler_its_slices_attention_time(engine, monkeypatch):
+    seen = []
+    real = engine.scheduler.record
+
+    def record(plan, seconds, drafted, tile_seconds=None):
+        seen.append((plan.prompt_tokens, tile_seconds))
+        return real(plan, seconds, drafted, tile_seconds)
+    monkeypatch.setattr(engine.scheduler, "record", record)
+    engine.generate([list(range(1, 12))], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    prompt, *decodes = seen
+    assert prompt[0] == 11 and prompt[1] > 0
+    assert decodes and all(tokens == 0 and t == 0.0 for tokens, t in decodes)
