@@ -10,7 +10,8 @@ prompt tokens the step computes and `pairs` the query-key pairs their attention 
 position p sees p + 1 keys, so a slice late in a long prompt costs more than an early one. The
 coefficients are fitted online (least squares, recent steps weighted more), each pulled slightly
 towards a prior: a 16-token slice costing about a decode step, and a pair costing what the
-model's FLOPs say relative to a token.
+model's FLOPs say relative to a token. Where the kernels time a slice's attention apart (the
+CPU's one-call forward) the pair's price is fitted on that time alone (see _Fit).
 
 Where the kernels take rows by vectors (a CPU's products: 16 rows at a time) a slice's `tokens`
 are the charged ones: the step's rows rounded up to whole vectors, less its decodes' rows
