@@ -485,3 +485,27 @@ async def test_everything_is_reachable_on_a_narrow_terminal(make_app):
         await wait_for(pilot, lambda: app.chat.conv_id == first)
         await pilot.pause(0.2)
         assert "first answer" in [v.content for v in app.chat.query(MessageView)]
+
+
+async def test_a_streamed_reply_parses_its_fragments_with_one_kept_parser(make_app, monkeypatch):
+    import textual.widgets._markdown as textual_markdown
+    from pdchat.chatapp.tui.widgets import messages
+
+    built = []
+
+    class Counted(textual_markdown.MarkdownIt):
+        def __init__(self, *args, **kwargs):
+            built.append(args)
+            super().__init__(*args, **kwargs)
+    monkeypatch.setattr(textual_markdown, "MarkdownIt", Counted)   # Textual's default, one per fragment
+    monkeypatch.setattr(messages, "MarkdownIt", Counted)
+    monkeypatch.setattr(messages, "_parsers", messages.threading.local())
+    words = " ".join(f"word{i}" for i in range(40))
+    app = make_app(FakeBackend(replies=[f"{words}\n\n- a list\n- of items"]))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "hi there")
+        await idle(pilot)
+        reply = list(app.chat.query(MessageView))[-1]
+        assert reply.status == "done" and reply.content.endswith("- of items")
+    assert 1 <= len(built) <= 3      # one per thread that parsed (the UI's, Textual's workers)

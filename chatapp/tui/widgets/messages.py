@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import re
+import threading
 
+from markdown_it import MarkdownIt
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Label, Markdown, Static
@@ -14,6 +16,20 @@ CODE_BLOCK = re.compile(r"```[^\n]*\n(.*?)```", re.S)
 
 STATUS_LABEL = {"cancelled": "cancelled", "error": "error", "interrupted": "interrupted",
                 "streaming": "…", "done": ""}
+
+
+_parsers = threading.local()
+
+
+def markdown_parser() -> MarkdownIt:
+    """The message bodies' Markdown parser: one per thread, kept. Textual's Markdown builds a new
+    one for every fragment a reply streams in (0.26 ms each on the 2-core AMD EPYC, more than
+    parsing a 600-character paragraph takes); its update() parses in worker threads, hence one
+    per thread rather than one for all."""
+    parser = getattr(_parsers, "parser", None)
+    if parser is None:
+        parser = _parsers.parser = MarkdownIt("gfm-like")
+    return parser
 
 
 def clean(text: str) -> str:
@@ -40,7 +56,7 @@ class MessageView(Vertical, can_focus=True):
 
     def compose(self) -> ComposeResult:
         yield Label(self._header(), classes="message-header")
-        yield Markdown(clean(self.content), classes="message-body")
+        yield Markdown(clean(self.content), classes="message-body", parser_factory=markdown_parser)
         yield Static(fmt.summary(self.metrics), classes="message-summary")
 
     def on_mount(self) -> None:
