@@ -229,7 +229,7 @@ class Engine:
         self.outputs.process(plan, out, drafts, reserved, sampled, self._generator)
         seconds = time.perf_counter() - t0
         self.meter.record(plan, sum(len(d.tokens) for d in drafts.values()), seconds, self.precision.read_bytes)
-        self.scheduler.record(plan, seconds, drafted=bool(drafts), tile_seconds=None if drafts else out.tile_seconds)
+        self.scheduler.record(plan, seconds, drafted=bool(drafts), tile_seconds=out.tile_seconds)
         if decoding:
             made = sum(item.seq.num_output_tokens for item in plan.items) - made_before if counting else 0
             self.settings.weigh(len(plan.items), bool(drafts), made, seconds)

@@ -126,11 +126,11 @@ class Scheduler:
     def record(self, plan: StepPlan, seconds: float, drafted: bool, tile_seconds: float | None = None) -> None:
         """What a step took, for the cost model: a decode-only step without drafts gives the decode
         time, a step with prompt tokens the cost of its prefill work (and of their attention alone,
-        `tile_seconds`, where the kernels timed it)."""
+        `tile_seconds`, where the kernels timed it and no verify's tiles are in it)."""
         if plan.prompt_tokens:
             sliced = _as_slice(plan.prompt_tokens, plan.num_decode_tokens, self.cost.fast_rows)
             self.cost.record_prefill(plan.prompt_tokens, plan.prompt_pairs, sliced, seconds, plan.num_decode_tokens,
-                                     attention_s=tile_seconds)
+                                     attention_s=None if drafted else tile_seconds)
         elif plan.decode_only and not drafted:
             self.cost.record_decode(seconds)
 

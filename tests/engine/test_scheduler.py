@@ -499,5 +499,8 @@ def test_a_slices_timed_attention_reaches_the_cost_model():
     sched.add(seq("new", 200, start=100))
     plan = sched.schedule()
     assert plan.prompt_tokens and plan.num_decode_tokens == 1
+    sched.record(plan, 0.045, drafted=True, tile_seconds=0.008)     # a verify's tiles in it: not the slice's
+    before = cost.coefficients().pair
+    assert before != pytest.approx(0.008 / plan.prompt_pairs)
     sched.record(plan, 0.045, drafted=False, tile_seconds=0.004)
     assert cost.coefficients().pair == pytest.approx(0.004 / plan.prompt_pairs)
