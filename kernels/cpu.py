@@ -263,7 +263,7 @@ def _split_by_kernel(block_tables: torch.Tensor, context_lens: torch.Tensor, qle
 class CpuKernels:
     """The backend's functions bound to one build of the library.
 
-    About 250 lines on purpose: one short method per kernel of the backend interface that
+    About 260 lines on purpose: one short method per op of the backend interface that
     reference.py and triton_attention.py also implement (kernels/__init__.py), each checking that
     its tensors suit the C code and falling back to the reference otherwise; split, the one
     interface would be scattered over files."""
@@ -277,6 +277,7 @@ class CpuKernels:
         self.quant_max_rows = max(LINEAR_MAX_ROWS, lib.pd_quant_max_rows())
         self._split: tuple[torch.Tensor, list[KernelShare]] | None = None   # this forward's (paged_attention)
         self._tile_seconds: float | None = None     # the last forward's (tile_seconds)
+        self._tile_clock = ctypes.c_double()        # what pd_layers adds them to (one, not one per step)
 
     # -- helpers -------------------------------------------------------------------------------
     @staticmethod
@@ -453,15 +454,15 @@ class CpuKernels:
         cu_q = batch.query_start_loc.to(torch.int32).contiguous()
         ctx = batch.context_lens.to(torch.int32).contiguous()
         slots = batch.slot_mapping.contiguous()
-        tile_seconds = ctypes.c_double(0.0)
+        self._tile_clock.value = 0.0
         status = self.lib.pd_layers(plan.dims, plan.eps, plan.ptrs, x.data_ptr(), h.data_ptr(), cos.data_ptr(),
                                     sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                     k_cache.stride(0), tables.data_ptr(), tables.shape[1], cu_q.data_ptr(),
                                     ctx.data_ptr(), len(ctx), k_cache.shape[2], batch.scale, T,
-                                    torch.get_num_threads(), ctypes.byref(tile_seconds))
+                                    torch.get_num_threads(), ctypes.byref(self._tile_clock))
         if status != 0:
             raise MemoryError("CPU layers: out of memory for the activations")
-        self._tile_seconds = tile_seconds.value
+        self._tile_seconds = self._tile_clock.value
         return True
 
     def tile_seconds(self) -> float | None:
