@@ -23,16 +23,28 @@ def test_rows_past_a_whole_vector_are_charged_as_one():
     assert [charged_tokens(n, 3, 1) for n in (1, 17)] == [1, 17]        # no vectors: a token is a token
 
 
-def _vector_machine(per_token: float, per_pair: float, decode: float) -> StepCost:
-    """A cost model with rows by 16 that has seen a machine whose steps cost exactly this."""
-    cost = StepCost(pair_ratio=per_pair / per_token, fast_rows=FastRows(48, 16))
+Work = Callable[[int, int], float]     # a machine's prompt work: (start, tokens) -> seconds
+
+
+def _seen(work: Work, slices, decode: float, pair_ratio: float, attention: Work | None = None) -> StepCost:
+    """A cost model with rows by 16 that has seen `slices` ((start, tokens) each, beside one decode)
+    on a machine whose decode step takes `decode` and a slice's prompt work exactly `work`; told
+    the slices' attention time where `attention` gives it."""
+    cost = StepCost(pair_ratio=pair_ratio, fast_rows=FastRows(48, 16))
     for _ in range(3):
         cost.record_decode(decode)
-    for start, n in ((0, 47), (47, 31), (78, 15), (93, 47), (140, 20), (160, 31), (500, 9), (900, 31)):
-        pairs = attention_pairs(start, n)
-        charged = charged_tokens(n, 1, 16)
-        cost.record_prefill(n, pairs, True, decode + per_token * charged + per_pair * pairs, other_rows=1)
+    for start, n in slices:
+        cost.record_prefill(n, attention_pairs(start, n), True, decode + work(start, n), 1,
+                            attention(start, n) if attention else None)
     return cost
+
+
+def _vector_machine(per_token: float, per_pair: float, decode: float) -> StepCost:
+    """A cost model that has seen a machine whose every charged token costs the same."""
+    def work(start: int, n: int) -> float:
+        return per_token * charged_tokens(n, 1, 16) + per_pair * attention_pairs(start, n)
+    return _seen(work, ((0, 47), (47, 31), (78, 15), (93, 47), (140, 20), (160, 31), (500, 9), (900, 31)),
+                 decode, per_pair / per_token)
 
 
 def test_by_vectors_a_slice_fills_its_last_vector_early_and_ends_where_it_prefills_fastest():
@@ -74,22 +86,17 @@ def test_each_vector_of_a_step_has_its_own_price_and_one_never_measured_is_price
         split = vector_split(n, 1, 16, 3)
         return sum(c * k for c, k in zip(per_vector, split)) + per_pair * attention_pairs(start, n)
 
-    def seen(slices: tuple[tuple[int, int], ...]) -> StepCost:
-        cost = StepCost(pair_ratio=per_pair / 1.2e-3, fast_rows=FastRows(48, 16))
-        for _ in range(3):
-            cost.record_decode(decode)
-        for start, n in slices:
-            cost.record_prefill(n, attention_pairs(start, n), True, decode + truth(start, n), other_rows=1)
-        return cost
     # Seen one- and two-vector slices only: the third vector is priced as the second (and the
     # second, seen twice, a little towards the first).
-    cost = seen(((0, 15), (15, 15), (30, 31), (61, 15), (76, 15), (91, 31), (122, 15), (137, 15)))
+    cost = _seen(truth, ((0, 15), (15, 15), (30, 31), (61, 15), (76, 15), (91, 31), (122, 15), (137, 15)),
+                 decode, per_pair / 1.2e-3)
     second = cost.coefficients().vectors[1]
     assert cost.coefficients() == ((pytest.approx(0.5e-3, rel=0.05), pytest.approx(1.2e-3, rel=0.05),
                                     pytest.approx(second, rel=1e-9)),
                                    pytest.approx(per_pair, rel=0.05))
     # Then a three-vector one: each is the machine's, and so are the predictions.
-    cost = seen(((0, 15), (15, 15), (30, 31), (61, 15), (76, 47), (123, 15), (138, 31), (169, 15), (184, 15)))
+    cost = _seen(truth, ((0, 15), (15, 15), (30, 31), (61, 15), (76, 47), (123, 15), (138, 31), (169, 15), (184, 15)),
+                 decode, per_pair / 1.2e-3)
     assert cost.coefficients() == (tuple(pytest.approx(c, rel=0.05) for c in per_vector),
                                    pytest.approx(per_pair, rel=0.05))
     for n in (15, 31, 47):
@@ -120,7 +127,7 @@ def test_a_first_vector_fitted_free_still_leaves_the_next_vectors_charged():
     assert cost.prefill_seconds(1500, 15, other_rows=1) <= budget < cost.prefill_seconds(1500, 16, other_rows=1)
 
 
-def _late_slices_machine(timed: bool) -> tuple[StepCost, Callable[[int, int], float]]:
+def _late_slices_machine(timed: bool) -> tuple[StepCost, Work]:
     """A cost model that has seen a prompt prefilled beside a decode as a budget slices it: twelve
     two-vector slices, then one-vector slices to position 1,700, on a machine whose attention
     costs a little more per pair as the context grows; told the attention's time when `timed`."""
@@ -132,14 +139,9 @@ def _late_slices_machine(timed: bool) -> tuple[StepCost, Callable[[int, int], fl
 
     def truth(start: int, n: int) -> float:
         return sum(c * k for c, k in zip(vectors, vector_split(n, 1, 16, 3))) + attention(start, n)
-    cost = StepCost(pair_ratio=per_pair / 1.15e-3, fast_rows=FastRows(48, 16))
-    cost.record_decode(decode)
-    position = 0
-    for n in [31] * 12 + [15] * 88:
-        cost.record_prefill(n, attention_pairs(position, n), True, decode + truth(position, n), 1,
-                            attention(position, n) if timed else None)
-        position += n
-    return cost, truth
+    sizes = [31] * 12 + [15] * 88
+    slices = [(sum(sizes[:i]), n) for i, n in enumerate(sizes)]
+    return _seen(truth, slices, decode, per_pair / 1.15e-3, attention if timed else None), truth
 
 
 def test_attention_timed_apart_keeps_the_vectors_price_through_slices_that_are_all_alike():
