@@ -15,7 +15,9 @@ import torch
 from pdchat.engine import Engine, SamplingParams, TokenEvent
 from pdchat.engine.disaggregation import worker_process
 from pdchat.engine.disaggregation.cores import CAN_PIN, split_cores
-from pdchat.engine.disaggregation.link import SimulatedLink, kv_transfer_bytes, sweep_stale_staging
+from pdchat.engine.disaggregation.link import (
+    STAGING_PREFIX, SimulatedLink, kv_transfer_bytes, staging_folder, sweep_stale_staging,
+)
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -328,9 +330,10 @@ def test_a_failure_the_worker_reports_ends_that_request_alone(reference):
 
 def test_a_worker_that_cannot_be_started_leaves_no_staging_file(reference, monkeypatch):
     monkeypatch.setattr(worker_process.sys, "executable", "/nonexistent/python")
-    staged = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    folder = staging_folder()
+    mine = f"{STAGING_PREFIX}{os.getpid()}-*"      # other test workers stage files of their own meanwhile
+    staged = set(folder.glob(mine))
     with engine(disaggregate=True) as e:
         assert e.stats().prefill_worker.startswith("failed: it could not be started")
         assert e.submit(prompts()[1], GREEDY).result().token_ids == reference[1]
-    if os.path.isdir("/dev/shm"):
-        assert set(os.listdir("/dev/shm")) <= staged
+    assert set(folder.glob(mine)) <= staged
