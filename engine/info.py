@@ -24,7 +24,8 @@ def _cpu_kernels() -> str:
         lib = cpu.library(paths.cache_dir())
     except cpu.KernelsUnavailable as e:
         return f"unavailable ({e}); PyTorch ops are used"
-    return f"C, int8 and int4 products on {cpu.int8_path(lib).title}"
+    narrow = "; 48 rows as three strips of 16 (timed faster here)" if lib.pd_outer_narrow_48(-1) else ""
+    return f"C, int8 and int4 products on {cpu.int8_path(lib).title}{narrow}"
 
 
 def gpu_info() -> dict[str, str]:

@@ -29,6 +29,27 @@ def test_linear_matches_reference(ops, rows, bias):
     torch.testing.assert_close(ops.linear(x, w, b), reference.linear(x, w, b), **TOL)
 
 
+@pytest.mark.parametrize("rows", [41, cpu.LINEAR_MAX_ROWS])
+def test_48_rows_give_the_same_sums_in_one_strip_or_three(ops, rows):
+    """pd_outer_choose picks by time how 48 rows go; either way each sum adds its k in order, so
+    the choice changes the speed and never a bit of the result."""
+    lib = ops.lib
+    x, w = rand(rows, 192), rand(81, 192, seed=1)
+    chosen = lib.pd_outer_narrow_48(-1)
+    try:
+        got = []
+        for narrow in (0, 1):
+            lib.pd_outer_narrow_48(narrow)
+            got.append(ops.linear(x, w))
+        wide = platform.machine().lower() in ("x86_64", "amd64") and "avx512f" in cpu.cpu_flags()
+        assert lib.pd_outer_narrow_48(-1) == int(wide)      # (only AVX-512 builds have a 48-row strip)
+        assert torch.equal(got[0], got[1])
+        torch.testing.assert_close(got[0], reference.linear(x, w), **TOL)
+        assert lib.pd_outer_choose(torch.get_num_threads()) in (0, int(wide))
+    finally:
+        lib.pd_outer_narrow_48(chosen)
+
+
 def test_linear_beyond_small_batches_is_blas(ops):
     x, w = rand(cpu.LINEAR_MAX_ROWS + 1, 64), rand(32, 64, seed=1)
     assert torch.equal(ops.linear(x, w), reference.linear(x, w))
@@ -448,7 +469,7 @@ def test_info_names_the_build_or_why_there_is_none(tmp_path, monkeypatch):
     from pdchat.engine.info import info
     monkeypatch.setenv("PDCHAT_CACHE_DIR", str(tmp_path / "ok"))
     best = cpu.int8_path(cpu.library(tmp_path / "ok" / "probe"))
-    assert info()["cpu kernels"] == f"C, int8 and int4 products on {best.title}"
+    assert info()["cpu kernels"].startswith(f"C, int8 and int4 products on {best.title}")
     assert best == cpu.runnable_int8_paths()[-1]             # the best this CPU has
     monkeypatch.setenv("PDCHAT_CACHE_DIR", str(tmp_path / "broken"))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
