@@ -23,7 +23,8 @@ And a step's vectors are not alike, so the charged tokens count by the vector of
 in, each vector with its own coefficient (`vector_split`). A decode alone is bound by reading the
 weights: the rows that fill its vector ride that read, while each further vector is paid in
 arithmetic, and on some CPUs a third costs more than a second (2-core AMD EPYC, the default
-model's 30 layers of products: 16 rows 22 ms, 32 rows 41, 48 rows 69). One coefficient for all,
+model's 30 layers of products: 16 rows 22 ms, 32 rows 41, 48 rows 69 as one strip, 62-63 as the
+three strips of 16 that the kernels now take there). One coefficient for all,
 fitted mostly on one-vector slices, planned two-vector slices 15-25% short (62-71 ms planned,
 68-87 taken) and a three-vector one at 48 ms that took 75: the longest steps of stutter runs. A
 vector not measured yet is priced as the one before it.

@@ -252,8 +252,8 @@ OUTER_STRIP(48)
 
 /* 48 rows as three strips of 16 rather than one of 48 (pd_outer_choose): the same sums in the same
  * order, at a cost that depends on the CPU. On a 2-core AMD EPYC (Zen 4) three strips took the
- * default model's 48-row products in 62-63 ms where one took 70-71 (2026-11-27), the 48-row
- * strip chosen on an Intel VM before; so each machine times both. */
+ * default model's 48-row products in 62-63 ms where one took 70-71 (2026-11-27), where the
+ * 48-row strip had been chosen on an Intel VM; so each machine times both. */
 static int outer_narrow_48;
 
 /* Weight rows [lo, hi) (lo a multiple of OUTER_W) against every strip of activation rows. */
