@@ -317,13 +317,13 @@ int pd_outer_narrow_48(int narrow) {
     return outer_narrow_48;
 }
 
-/* Times 48-row products both ways on `threads` threads (the default model's widest shape, weights
- * larger than L2) and keeps the faster: the best of five alternating runs each, about 10 ms in all.
- * The sums are the same either way, so a close call costs speed, never results. Returns the choice,
- * or -1 if out of memory (the setting then stays as it was). */
-int pd_outer_choose(int threads) {
+/* Times 48-row products both ways on one thread (the caller's: the pool is not started; a shape
+ * of the default model, weights larger than L2) and keeps the faster: the best of five alternating
+ * runs each, about 12 ms in all. The sums are the same either way, so a close call costs speed,
+ * never results. Returns the choice, or -1 if out of memory (the setting then stays as it was). */
+int pd_outer_choose(void) {
 #if OUTER_STRIP_MAX == 48
-    enum { M = 48, N = 3072, K = 576 };
+    enum { M = 48, N = 1536, K = 576 };
     float *x = malloc(sizeof(float) * ((size_t)M * K + (size_t)N * K + (size_t)M * N));
     if (!x) return -1;
     float *w = x + (size_t)M * K, *y = w + (size_t)N * K;
@@ -333,7 +333,7 @@ int pd_outer_choose(int threads) {
     for (int run = -2; run < 10; run++) {       /* (the first two fault the pages in) */
         outer_narrow_48 = run & 1;
         double start = seconds_now();
-        failed |= outer_product(x, w, NULL, NULL, NULL, y, M, N, K, threads);
+        failed |= outer_product(x, w, NULL, NULL, NULL, y, M, N, K, 1);
         double took = seconds_now() - start;
         if (run >= 0 && took < best[run & 1]) best[run & 1] = took;
     }
@@ -341,7 +341,6 @@ int pd_outer_choose(int threads) {
     outer_narrow_48 = failed ? was : best[1] < best[0];
     return failed ? -1 : outer_narrow_48;
 #else
-    (void)threads;
     return 0;
 #endif
 }
