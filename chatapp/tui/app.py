@@ -50,7 +50,8 @@ class PdchatApp(App):
     def __init__(self, backend: Backend, store: Store, *, toggles: Toggles | None = None,
                  settings: Settings | None = None, config: dict | None = None,
                  backend_factory: Callable[[str], Backend] | None = None,
-                 export_dir: str | Path | None = None, clock: Callable[[], float] = time.monotonic):
+                 export_dir: str | Path | None = None, clock: Callable[[], float] = time.monotonic,
+                 cpu_clock: Callable[[], float] = time.thread_time):
         super().__init__()
         self.backend = backend
         self.store = store
@@ -60,6 +61,7 @@ class PdchatApp(App):
         self.backend_factory = backend_factory
         self.export_dir = Path(export_dir) if export_dir else Path.cwd()
         self.clock = clock
+        self.cpu_clock = cpu_clock          # the UI thread's CPU time (draw_pace)
         self.ready = False
         self.load_error: str | None = None
         self.incoming: Backend | None = None       # the model being switched to, while it loads

@@ -52,6 +52,9 @@ def make_app(tmp_path):
     def make(backend: FakeBackend | None = None, store: Store | None = None, **kw) -> PdchatApp:
         backend = backend or FakeBackend()
         store = store or Store(tmp_path / "data" / "pdchat.db")
+        # The UI thread's CPU time reads as none: streamed text is drawn at every tick of the pump,
+        # however busy the test machine (test_draw_pace gives it its own clocks).
+        kw.setdefault("cpu_clock", lambda: 0.0)
         app = PdchatApp(backend, store, export_dir=tmp_path / "exports", **kw)
         app.clipboard_calls = []
         app.copy_to_clipboard = app.clipboard_calls.append

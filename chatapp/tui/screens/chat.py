@@ -17,6 +17,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Input, ListView, Markdown, Static
 
 from pdchat.chatapp.backends.base import Settings
+from pdchat.chatapp.tui import draw_pace
 from pdchat.chatapp.tui.live import LiveReply
 from pdchat.chatapp.tui.screens.actions import ChatActions
 from pdchat.chatapp.tui.screens.compare import CompareActions
@@ -29,7 +30,6 @@ from pdchat.chatapp.tui.widgets.messages import MessageView
 from pdchat.chatapp.tui.widgets.telemetry import TelemetryPanel
 from pdchat.chatapp.tui.widgets.toggles import TogglesBox
 
-PUMP_S = 0.08          # text reaches the Markdown stream at most this often
 PANEL_S = 0.25         # the telemetry panel refreshes 4 times a second while a reply streams,
 IDLE_PANEL_S = 1.0     # and once a second otherwise (device figures, machine-busy warning)
 
@@ -94,7 +94,7 @@ class ChatScreen(ChatActions, CompareActions, Screen):
         self.query_one("#messages", VerticalScroll).anchor()
         # Idle, the app wakes only for the slow panel refresh: the text pump and the fast refresh
         # run while a reply streams (Replies resumes and pauses them).
-        self.replies.while_live(self.set_interval(PUMP_S, self.replies.pump, pause=True),
+        self.replies.while_live(self.set_interval(draw_pace.MIN_S, self.replies.pump, pause=True),
                                 self.set_interval(PANEL_S, self.refresh_panel, pause=True))
         self.set_interval(IDLE_PANEL_S, self.refresh_panel)
         self.refresh_panel()

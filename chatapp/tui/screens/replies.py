@@ -14,6 +14,7 @@ from textual.message import Message
 from textual.timer import Timer
 
 from pdchat.chatapp.backends.base import TOGGLES, Done
+from pdchat.chatapp.tui.draw_pace import DrawPace
 from pdchat.chatapp.tui.live import LiveReply
 from pdchat.chatapp.tui.widgets.messages import MessageView
 
@@ -38,6 +39,7 @@ class Replies:
         self.stream_view: MessageView | None = None
         self._last_save: dict[int, float] = {}
         self._live_timers: tuple[Timer, ...] = ()
+        self.pace = DrawPace(lambda: screen.app.clock(), lambda: screen.app.cpu_clock())
 
     def while_live(self, *timers: Timer) -> None:
         """Timers that matter only while a reply streams (the text pump, the panel's fast refresh):
@@ -102,10 +104,15 @@ class Replies:
         message list is anchored (ChatScreen): it follows the text while the user is at the
         bottom, and stays put once they scroll up."""
         screen = self.screen
+        draw, drew = self.pace.due(), False
         for conv_id, live in list(self.live.items()):
-            fragment = live.take_text()
             view = self.stream_view if conv_id == screen.conv_id else None
+            # Held while the UI is over its share of a core (draw_pace); _finish draws the whole text.
+            fragment = "" if view is not None and not draw else live.take_text()
             if view is not None and fragment:
+                if not drew:
+                    self.pace.drawing()
+                    drew = True
                 await view.append(fragment)
             now = screen.app.clock()
             if live.done is not None:
@@ -116,6 +123,7 @@ class Replies:
         if not self.live:              # the last one finished (or its chat was deleted)
             for timer in self._live_timers:
                 timer.pause()
+            self.pace.reset()
 
     async def _finish(self, live: LiveReply, view: MessageView | None) -> None:
         screen = self.screen
