@@ -7,9 +7,9 @@ holds, the more widgets, the dearer each one. Drawn every 80 ms, a chat's second
 headless at those lengths). So the text is drawn at most every MIN_S (the pump's period), and less
 often while the UI thread's CPU time since the last draw says the UI is taking more than SHARE of
 a core; never less often than every MAX_S, so the text keeps moving on a machine too slow for the
-share. The same replies then took 27-30 ms, their text drawn every 0.16-0.24 s (median). The
-pace holds whatever the backend: a GPU or remote model needs no core of this machine, but a UI
-thread that busy redraws faster than anyone reads.
+share. The same replies then took 27-33 ms (three runs), their text drawn every 0.16-0.24 s
+(median). The pace holds whatever the backend: a GPU or remote model needs no core of this
+machine, but a UI thread that busy redraws faster than anyone reads.
 """
 from __future__ import annotations
 
