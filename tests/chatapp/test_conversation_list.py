@@ -213,3 +213,33 @@ async def test_a_chat_deleted_under_the_app_takes_the_message_into_a_new_one(mak
         await idle(pilot)
         assert app.chat.conv_id != empty
         assert [m.content for m in app.store.messages(app.chat.conv_id)][0] == "still here?"
+
+
+async def test_a_reply_updates_its_row_in_place_and_the_cursor_follows_the_open_chat(make_app, tmp_path):
+    """A reply's start and end mark its row (● while it streams) without remounting the list: a
+    rebuild mounted every row again while the model prefilled. Opening another chat moves the mark
+    and the list's cursor to it, on the same rows."""
+    store = seeded_store(tmp_path / "data" / "pdchat.db", ["first", "second"])
+    backend = FakeBackend(hold="decode:1", replies=["fine, thanks"])
+    app = make_app(backend, store=store)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await ready(pilot)
+        await wait_for(pilot, lambda: app.chat.conv_id is not None and current_items(app))
+        rows = items(app)
+
+        def title(row) -> str:
+            return str(row.query_one(".conv-title").render())
+
+        assert [title(r) for r in rows] == ["second", "first"]
+        await send(pilot, "hello")
+        await wait_for(pilot, backend.held.is_set)
+        await wait_for(pilot, lambda: title(rows[0]) == "● second")
+        assert items(app) == rows                  # the same widgets, updated
+        backend.generations[-1].released.set()
+        await idle(pilot)
+        await wait_for(pilot, lambda: title(rows[0]) == "second")
+        first = rows[1].conv_id
+        await app.chat.open_conversation(first)
+        lv = app.chat.query_one("#conv-list", ListView)
+        await wait_for(pilot, lambda: current_items(app) == [first] and lv.highlighted_child is rows[1])
+        assert items(app) == rows

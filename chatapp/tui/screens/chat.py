@@ -119,8 +119,17 @@ class ChatScreen(ChatActions, CompareActions, Screen):
     def refresh_list(self) -> None:
         search = self.query_one("#search", Input).value.strip() or None
         lv = self.query_one("#conv-list", ListView)
-        items = [ConversationItem(c, live=c.id in self.live, current=c.id == self.conv_id)
-                 for c in self.store.conversations(search)]
+        convs = self.store.conversations(search)
+        shown = list(lv.children)
+        if [getattr(item, "conv_id", None) for item in shown] == [c.id for c in convs]:
+            # The same rows in the same order (a reply began or ended, a title changed): in place.
+            for item, c in zip(shown, convs):
+                item.show(c, live=c.id in self.live, current=c.id == self.conv_id)
+            current = next((i for i, c in enumerate(convs) if c.id == self.conv_id), None)
+            if current is not None and lv.index != current:
+                lv.index = current
+            return
+        items = [ConversationItem(c, live=c.id in self.live, current=c.id == self.conv_id) for c in convs]
         current = next((i for i, item in enumerate(items) if item.has_class("-current")), None)
         removed, mounted = lv.clear(), lv.extend(items)
 

@@ -29,3 +29,13 @@ class ConversationItem(ListItem):
         # markup=False: a title is the user's own text, brackets included
         yield Label(self.conv_title, classes="conv-title", markup=False)
         yield Label(when(self.updated), classes="conv-when")
+
+    def show(self, conv: Conversation, *, live: bool = False, current: bool = False) -> None:
+        """The row of the same conversation, as it is now: updated in place (rebuilding the whole
+        list at every reply's start and end remounted every row while the model prefilled)."""
+        title = ("● " if live else "") + conv.title
+        if (title, conv.updated) != (self.conv_title, self.updated):
+            self.conv_title, self.updated = title, conv.updated
+            self.query_one(".conv-title", Label).update(title)
+            self.query_one(".conv-when", Label).update(when(conv.updated))
+        self.set_class(current, "-current")
