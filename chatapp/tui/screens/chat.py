@@ -66,6 +66,7 @@ class ChatScreen(ChatActions, CompareActions, Screen):
         self.editing: int | None = None           # message id being edited
         self._compare_skip: int | None = None     # a reply left out of the next history (compare)
         self.last_export = None
+        self._list_rebuilds = 0                   # rebuilds of the chat list not yet mounted
 
     # ---- layout ---------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -121,8 +122,10 @@ class ChatScreen(ChatActions, CompareActions, Screen):
         lv = self.query_one("#conv-list", ListView)
         convs = self.store.conversations(search)
         shown = list(lv.children)
-        if [getattr(item, "conv_id", None) for item in shown] == [c.id for c in convs]:
-            # The same rows in the same order (a reply began or ended, a title changed): in place.
+        same_rows = [getattr(item, "conv_id", None) for item in shown] == [c.id for c in convs]
+        if same_rows and not self._list_rebuilds:
+            # The same rows in the same order (a reply began or ended, a title changed): in place,
+            # unless a rebuild is still being mounted (its rows, not these, are the list's).
             for item, c in zip(shown, convs):
                 item.show(c, live=c.id in self.live, current=c.id == self.conv_id)
             current = next((i for i, c in enumerate(convs) if c.id == self.conv_id), None)
@@ -132,11 +135,15 @@ class ChatScreen(ChatActions, CompareActions, Screen):
         items = [ConversationItem(c, live=c.id in self.live, current=c.id == self.conv_id) for c in convs]
         current = next((i for i, item in enumerate(items) if item.has_class("-current")), None)
         removed, mounted = lv.clear(), lv.extend(items)
+        self._list_rebuilds += 1
 
         async def cursor_on_current() -> None:
             # Only once the old rows are gone: until then an index would count them too.
-            await removed
-            await mounted
+            try:
+                await removed
+                await mounted
+            finally:
+                self._list_rebuilds -= 1
             if current is not None and list(lv.children) == items:     # not refilled since
                 lv.index = current
         self.call_later(cursor_on_current)
