@@ -25,7 +25,7 @@ from pdchat.chatapp.tui.screens.modals import WELCOME
 from pdchat.chatapp.tui.screens.replies import Replies
 from pdchat.chatapp.tui.store import NEW_CHAT
 from pdchat.chatapp.tui.widgets.chat_input import ChatInput
-from pdchat.chatapp.tui.widgets.conversations import ConversationItem
+from pdchat.chatapp.tui.widgets.conversations import ConversationList
 from pdchat.chatapp.tui.widgets.messages import MessageView
 from pdchat.chatapp.tui.widgets.telemetry import TelemetryPanel
 from pdchat.chatapp.tui.widgets.toggles import TogglesBox
@@ -66,7 +66,6 @@ class ChatScreen(ChatActions, CompareActions, Screen):
         self.editing: int | None = None           # message id being edited
         self._compare_skip: int | None = None     # a reply left out of the next history (compare)
         self.last_export = None
-        self._list_rebuilds = 0                   # rebuilds of the chat list not yet mounted
 
     # ---- layout ---------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -75,7 +74,7 @@ class ChatScreen(ChatActions, CompareActions, Screen):
         with Horizontal(id="main"):
             with Vertical(id="sidebar"):
                 yield Input(placeholder="search…", id="search")
-                yield ListView(id="conv-list")
+                yield ConversationList(id="conv-list")
             with Vertical(id="chat"):
                 yield VerticalScroll(Markdown(WELCOME, id="welcome"), id="messages")
                 yield Static("", id="status")
@@ -119,34 +118,8 @@ class ChatScreen(ChatActions, CompareActions, Screen):
     # ---- conversations --------------------------------------------------------------------------
     def refresh_list(self) -> None:
         search = self.query_one("#search", Input).value.strip() or None
-        lv = self.query_one("#conv-list", ListView)
-        convs = self.store.conversations(search)
-        shown = list(lv.children)
-        same_rows = [getattr(item, "conv_id", None) for item in shown] == [c.id for c in convs]
-        if same_rows and not self._list_rebuilds:
-            # The same rows in the same order (a reply began or ended, a title changed): in place,
-            # unless a rebuild is still being mounted (its rows, not these, are the list's).
-            for item, c in zip(shown, convs):
-                item.show(c, live=c.id in self.live, current=c.id == self.conv_id)
-            current = next((i for i, c in enumerate(convs) if c.id == self.conv_id), None)
-            if current is not None and lv.index != current:
-                lv.index = current
-            return
-        items = [ConversationItem(c, live=c.id in self.live, current=c.id == self.conv_id) for c in convs]
-        current = next((i for i, item in enumerate(items) if item.has_class("-current")), None)
-        removed, mounted = lv.clear(), lv.extend(items)
-        self._list_rebuilds += 1
-
-        async def cursor_on_current() -> None:
-            # Only once the old rows are gone: until then an index would count them too.
-            try:
-                await removed
-                await mounted
-            finally:
-                self._list_rebuilds -= 1
-            if current is not None and list(lv.children) == items:     # not refilled since
-                lv.index = current
-        self.call_later(cursor_on_current)
+        rows = self.query_one("#conv-list", ConversationList)
+        rows.show(self.store.conversations(search), live=self.live, current=self.conv_id)
 
     @on(Input.Changed, "#search")
     def _search(self) -> None:
