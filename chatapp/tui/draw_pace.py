@@ -13,7 +13,6 @@ machine, but a UI thread that busy redraws faster than anyone reads.
 """
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 MIN_S = 0.08        # the most often text is drawn (smooth enough to read as it comes)
@@ -23,9 +22,10 @@ SHARE = 0.2         # of one core: what the UI thread may spend between draws, p
 
 class DrawPace:
     """Decides at each tick of the text pump whether new text is drawn now. `clock` is wall time,
-    `cpu_clock` the CPU time of the thread that draws (the UI's, where the pump runs)."""
+    `cpu_clock` the CPU time of the thread that draws (the UI's, where the pump runs: the app's
+    `cpu_clock`, time.thread_time)."""
 
-    def __init__(self, clock: Callable[[], float], cpu_clock: Callable[[], float] = time.thread_time):
+    def __init__(self, clock: Callable[[], float], cpu_clock: Callable[[], float]):
         self.clock, self.cpu_clock = clock, cpu_clock
         self._wall: float | None = None       # when the last draw began, on each clock
         self._cpu = 0.0
