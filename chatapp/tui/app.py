@@ -1,6 +1,7 @@
 """The pdchat Textual app and run_app(), the entry point the CLI calls."""
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
@@ -16,6 +17,7 @@ from pdchat.engine import settings as declared
 from pdchat.themes.textual_themes import DEFAULT_THEME, THEMES, role_defaults
 
 from pdchat.chatapp.backends.base import Backend, Settings, Toggles
+from pdchat.chatapp.tui.heap import CHECK_S, HeapKeeper
 from pdchat.chatapp.tui.palette import palette_commands
 from pdchat.chatapp.tui.toggle_control import ToggleControl
 from pdchat.chatapp.tui.loading import BackendLoaded, LoadProgress, start_load
@@ -39,7 +41,7 @@ TOGGLE_KEYS = tuple(s.name for s in declared.TOGGLES if s.scope == declared.ENGI
 class PdchatApp(App):
     """The app shell: the chat screen, loading and switching models, and the handlers of what the
     screens ask for. Each of those is a few lines handing over to its own module (loading.py,
-    toggle_control.py, screens/lab.py, hangup.py); together they are a little over 200 lines."""
+    toggle_control.py, screens/lab.py, hangup.py, heap.py); together they are about 230 lines."""
 
     CSS_PATH = "app.tcss"
     TITLE = "pdchat"
@@ -51,7 +53,7 @@ class PdchatApp(App):
                  settings: Settings | None = None, config: dict | None = None,
                  backend_factory: Callable[[str], Backend] | None = None,
                  export_dir: str | Path | None = None, clock: Callable[[], float] = time.monotonic,
-                 cpu_clock: Callable[[], float] = time.thread_time):
+                 cpu_clock: Callable[[], float] = time.thread_time, collector: Any = gc):
         super().__init__()
         self.backend = backend
         self.store = store
@@ -62,6 +64,7 @@ class PdchatApp(App):
         self.export_dir = Path(export_dir) if export_dir else Path.cwd()
         self.clock = clock
         self.cpu_clock = cpu_clock          # the UI thread's CPU time (draw_pace)
+        self.heap = HeapKeeper(collector)   # full garbage collections only at quiet moments
         self.ready = False
         self.load_error: str | None = None
         self.incoming: Backend | None = None       # the model being switched to, while it loads
@@ -81,6 +84,8 @@ class PdchatApp(App):
     def on_mount(self) -> None:
         self.theme_changed_signal.subscribe(self, self._theme_changed)
         self.push_screen(ChatScreen())
+        self.heap.start()
+        self.set_interval(CHECK_S, lambda: self.heap.tidy(busy=not self.quiet))
         self.sub_title = self.backend.model
         if self.store.notice:
             self.notify(self.store.notice, severity="warning", timeout=15)
@@ -92,6 +97,11 @@ class PdchatApp(App):
     @property
     def chat(self) -> ChatScreen:
         return next(s for s in self.screen_stack if isinstance(s, ChatScreen))
+
+    @property
+    def quiet(self) -> bool:
+        """No reply streams (and the app is not shutting down): a pause would stall nothing."""
+        return not self.closing and not self.chat.live
 
     @property
     def closing(self) -> bool:
@@ -127,6 +137,7 @@ class PdchatApp(App):
             self.toggles.neighbours = 0
         chat.query_one(TogglesBox).set_caps(backend.capabilities, self.toggles)
         chat.refresh_panel()
+        self.heap.model_changed(busy=not self.quiet)
 
     def _status_line(self) -> str:
         if self.ready:
@@ -178,6 +189,7 @@ class PdchatApp(App):
             backend.close()
         except Exception as e:
             self.notify(f"Closing {backend.model} failed: {e}", severity="warning")
+        self.heap.model_changed(busy=not self.quiet)
 
     # ---- what the chat screen asks for ----------------------------------------------------------
     def on_model_requested(self, event: ModelRequested) -> None:
@@ -242,6 +254,9 @@ class PdchatApp(App):
     async def _on_exit_app(self) -> None:
         self.cancel_all()
         await super()._on_exit_app()
+
+    def on_unmount(self) -> None:           # (the last event of a run, however it ended)
+        self.heap.stop()
 
     def cancel_all(self) -> None:
         """Stop every reply in flight (on exit), so no worker thread is left waiting."""

@@ -7,6 +7,7 @@ import pytest
 
 from pdchat.chatapp.tui.app import PdchatApp
 from tests.doubles.fake_backend import FakeBackend
+from tests.doubles.fake_collector import FakeCollector
 from pdchat.chatapp.tui.store import Store
 
 from .loopback import MODEL
@@ -55,6 +56,8 @@ def make_app(tmp_path):
         # The UI thread's CPU time reads as none: streamed text is drawn at every tick of the pump,
         # however busy the test machine (test_draw_pace gives it its own clocks).
         kw.setdefault("cpu_clock", lambda: 0.0)
+        # Garbage collections go to a recorder: the real collector stays as it is for the test run.
+        kw.setdefault("collector", FakeCollector())
         app = PdchatApp(backend, store, export_dir=tmp_path / "exports", **kw)
         app.clipboard_calls = []
         app.copy_to_clipboard = app.clipboard_calls.append

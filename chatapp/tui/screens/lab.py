@@ -95,6 +95,7 @@ class LabScreen(Screen):
         if self.running:
             return
         self.running, self.quick, self.started = True, quick, time.monotonic()
+        self.app.heap.measuring += 1        # no full garbage collection stalls the lab's timings
         self.query_one("#lab-progress").display = True
         # a daemon thread, not a Textual worker: those are joined on exit, and a lab run takes minutes
         threading.Thread(target=self._run, daemon=True, name="pdchat-lab").start()
@@ -118,6 +119,7 @@ class LabScreen(Screen):
 
     def _finished(self, result: dict[str, Any] | None, error: str | None) -> None:
         self.running = False
+        self.app.heap.measuring -= 1
         self.query_one("#lab-progress").display = False
         if error:
             self.query_one("#lab-status", Static).update(f"[b]lab failed[/b]: {error}")
