@@ -12,7 +12,7 @@ So:
   as the process and are not walked again (closing a model still frees its weights: they go by
   reference count). A later freeze first unfreezes and collects, so a closed model's cycles go too;
 - automatic full collections are off; the young generations still collect themselves (a few ms);
-- a full collection, over what came after the freeze only (18-110 ms there), runs at the app's
+- a full collection, over what came after the freeze only (18-127 ms there), runs at the app's
   next quiet moment: no reply streaming, no lab run.
 """
 from __future__ import annotations
