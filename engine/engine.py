@@ -108,6 +108,7 @@ class Engine:
         self._closed = False
         self.meter = StepMeter(self.kv_bytes_per_token)
         self._generator = torch.Generator(device=self.device).manual_seed(torch.seed() % 2**63)
+        self.runner.warm_up()
         self._start(cfg)
 
     def _start(self, cfg: EngineConfig) -> None:
