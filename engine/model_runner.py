@@ -111,11 +111,12 @@ class ModelRunner:
         """A block of prompt tokens and one decode row through the model, into the pool's first two
         blocks, before any request: the first forward pays one-time costs (the C pool's threads,
         buffers and cache pages faulted in, torch's first calls), and the first prompt's TTFT
-        should not (what is left of them there: ~25 ms of the engine's own first request). On the default model, 2-core AMD EPYC, 2026-11-27: 60-370 ms here; the app's
-        first prefill step then took 132-159 ms where it had taken 145-730. Nothing owns those
-        blocks: whoever gets them writes each slot before reading it, and the prefix cache knows
-        them by no hash. A CPU only: a GPU's graphs are captured at start already, and a prefill
-        warm-up there is not measured."""
+        should not. On the default model, 2-core AMD EPYC, 2026-11-27 (README): 60-370 ms here;
+        the app's first prefill step then took 140-192 ms where it had taken 145-730, and ~25 ms of
+        first-time cost is left in a headless engine's first request. Nothing owns those blocks:
+        whoever gets them writes each slot before reading it, and the prefix cache knows them by no
+        hash. A CPU only: a GPU's graphs are captured at start already, and a prefill warm-up there
+        is not measured."""
         bs = self.block_size
         if self.device.type != "cpu" or self.k_cache.shape[1] < 2 or self.max_model_len <= bs:
             return
