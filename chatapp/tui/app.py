@@ -41,7 +41,7 @@ TOGGLE_KEYS = tuple(s.name for s in declared.TOGGLES if s.scope == declared.ENGI
 class PdchatApp(App):
     """The app shell: the chat screen, loading and switching models, and the handlers of what the
     screens ask for. Each of those is a few lines handing over to its own module (loading.py,
-    toggle_control.py, screens/lab.py, hangup.py, heap.py); together they are about 230 lines."""
+    toggle_control.py, screens/lab.py, hangup.py, heap.py); together they are about 225 lines."""
 
     CSS_PATH = "app.tcss"
     TITLE = "pdchat"
@@ -64,7 +64,8 @@ class PdchatApp(App):
         self.export_dir = Path(export_dir) if export_dir else Path.cwd()
         self.clock = clock
         self.cpu_clock = cpu_clock          # the UI thread's CPU time (draw_pace)
-        self.heap = HeapKeeper(collector)   # full garbage collections only at quiet moments
+        # full garbage collections only while no reply streams (and not while the app shuts down)
+        self.heap = HeapKeeper(lambda: self.closing or bool(self.chat.live), collector)
         self.ready = False
         self.load_error: str | None = None
         self.incoming: Backend | None = None       # the model being switched to, while it loads
@@ -85,7 +86,7 @@ class PdchatApp(App):
         self.theme_changed_signal.subscribe(self, self._theme_changed)
         self.push_screen(ChatScreen())
         self.heap.start()
-        self.set_interval(CHECK_S, lambda: self.heap.tidy(busy=not self.quiet))
+        self.set_interval(CHECK_S, self.heap.tidy)
         self.sub_title = self.backend.model
         if self.store.notice:
             self.notify(self.store.notice, severity="warning", timeout=15)
@@ -97,11 +98,6 @@ class PdchatApp(App):
     @property
     def chat(self) -> ChatScreen:
         return next(s for s in self.screen_stack if isinstance(s, ChatScreen))
-
-    @property
-    def quiet(self) -> bool:
-        """No reply streams (and the app is not shutting down): a pause would stall nothing."""
-        return not self.closing and not self.chat.live
 
     @property
     def closing(self) -> bool:
@@ -137,7 +133,7 @@ class PdchatApp(App):
             self.toggles.neighbours = 0
         chat.query_one(TogglesBox).set_caps(backend.capabilities, self.toggles)
         chat.refresh_panel()
-        self.heap.model_changed(busy=not self.quiet)
+        self.heap.model_changed()
 
     def _status_line(self) -> str:
         if self.ready:
@@ -189,7 +185,7 @@ class PdchatApp(App):
             backend.close()
         except Exception as e:
             self.notify(f"Closing {backend.model} failed: {e}", severity="warning")
-        self.heap.model_changed(busy=not self.quiet)
+        self.heap.model_changed()
 
     # ---- what the chat screen asks for ----------------------------------------------------------
     def on_model_requested(self, event: ModelRequested) -> None:

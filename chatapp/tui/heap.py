@@ -18,7 +18,7 @@ So:
 from __future__ import annotations
 
 import gc
-from typing import Any
+from typing import Any, Callable
 
 CHECK_S = 5.0                # how often the app looks for a quiet moment
 NEVER = 1 << 30              # a threshold the oldest generation's count does not reach
@@ -26,9 +26,10 @@ NEVER = 1 << 30              # a threshold the oldest generation's count does no
 
 class HeapKeeper:
     """The app's full collections, each at a quiet moment. `collector` is the gc module (tests
-    pass a recorder)."""
+    pass a recorder); `busy` says whether a pause would stall something now (a reply streaming)."""
 
-    def __init__(self, collector: Any = gc):
+    def __init__(self, busy: Callable[[], bool], collector: Any = gc):
+        self.busy = busy
         self.gc = collector
         self.measuring = 0              # lab runs in progress: no collection may stall them
         self._saved: tuple[int, int, int] | None = None
@@ -47,15 +48,15 @@ class HeapKeeper:
             self.gc.unfreeze()
             self._saved = None
 
-    def model_changed(self, busy: bool) -> None:
+    def model_changed(self) -> None:
         """A model was loaded or closed: collect everything and freeze the survivors, now if
         nothing streams, else at the next quiet moment."""
         self._refreeze = True
-        self.tidy(busy)
+        self.tidy()
 
-    def tidy(self, busy: bool) -> bool:
+    def tidy(self) -> bool:
         """At a quiet moment, the collection that is due (if any); True if one ran."""
-        if busy or self.measuring or self._saved is None:
+        if self.measuring or self._saved is None or self.busy():
             return False
         if self._refreeze:
             self.gc.unfreeze()

@@ -17,8 +17,16 @@ pytestmark = pytest.mark.anyio
 SETTLE = ["unfreeze", "collect", "freeze"]
 
 
-def started() -> HeapKeeper:
-    keeper = HeapKeeper(FakeCollector())
+class Keeper(HeapKeeper):
+    """A keeper whose `busy` a test sets."""
+
+    def __init__(self):
+        super().__init__(lambda: self.streaming, FakeCollector())
+        self.streaming = False
+
+
+def started() -> Keeper:
+    keeper = Keeper()
     keeper.start()
     return keeper
 
@@ -32,31 +40,34 @@ def test_automatic_full_collections_are_off_until_stop_and_the_young_ones_keep_t
 
 def test_a_full_collection_runs_only_when_due_and_nothing_streams_or_measures():
     keeper = started()
-    assert not keeper.tidy(busy=False)              # no middle-generation collection since the last full one
+    assert not keeper.tidy()                        # no middle-generation collection since the last full one
     keeper.gc.count[2] = 2
-    assert not keeper.tidy(busy=True)
-    keeper.measuring = 1
-    assert not keeper.tidy(busy=False)
+    keeper.streaming = True
+    assert not keeper.tidy()
+    keeper.streaming, keeper.measuring = False, 1
+    assert not keeper.tidy()
     assert keeper.gc.calls == []
     keeper.measuring = 0
-    assert keeper.tidy(busy=False) and keeper.gc.calls == ["collect"]
-    assert not keeper.tidy(busy=False)              # (the count starts again)
+    assert keeper.tidy() and keeper.gc.calls == ["collect"]
+    assert not keeper.tidy()                        # (the count starts again)
 
 
 def test_a_model_change_refreezes_at_the_first_quiet_moment():
     keeper = started()
-    keeper.model_changed(busy=True)
+    keeper.streaming = True
+    keeper.model_changed()
     assert keeper.gc.calls == []
-    assert keeper.tidy(busy=False) and keeper.gc.calls == SETTLE
-    assert not keeper.tidy(busy=False)              # once
-    keeper.model_changed(busy=False)
+    keeper.streaming = False
+    assert keeper.tidy() and keeper.gc.calls == SETTLE
+    assert not keeper.tidy()                        # once
+    keeper.model_changed()
     assert keeper.gc.calls == SETTLE * 2
 
 
 def test_nothing_is_collected_before_start():
-    keeper = HeapKeeper(FakeCollector())
+    keeper = Keeper()
     keeper.gc.count[2] = 5
-    keeper.model_changed(busy=False)
+    keeper.model_changed()
     assert keeper.gc.calls == []
 
 
@@ -70,11 +81,11 @@ async def test_the_app_freezes_after_its_load_and_collects_only_between_replies(
         await send(pilot, "hello")
         await wait_for(pilot, backend.held.is_set)
         collector.count[2] = 3
-        assert not app.heap.tidy(busy=not app.quiet)          # a reply streams
+        assert not app.heap.tidy()          # a reply streams
         assert collector.calls == SETTLE
         backend.release()
         await idle(pilot)
-        app.heap.tidy(busy=not app.quiet)                     # (or the app's own timer did it first)
+        app.heap.tidy()                     # (or the app's own timer did it first)
         assert collector.calls == SETTLE + ["collect"]
     assert collector.threshold == (700, 10, 10) and collector.calls[-1] == "unfreeze"
 
@@ -112,7 +123,7 @@ async def test_no_full_collection_while_the_lab_runs(make_app):
         await pilot.press("r")
         await wait_for(pilot, lambda: app.heap.measuring == 1)
         app.heap.gc.count[2] = 1
-        assert not app.heap.tidy(busy=not app.quiet)
+        assert not app.heap.tidy()
         release.set()
         await wait_for(pilot, lambda: not app.screen.running)
-        assert app.heap.measuring == 0 and app.heap.tidy(busy=not app.quiet)
+        assert app.heap.measuring == 0 and app.heap.tidy()

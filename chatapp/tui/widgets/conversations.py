@@ -20,11 +20,15 @@ def when(updated: float, now: float | None = None) -> str:
     return f"{t.tm_mday} " + time.strftime("%b %H:%M" if t.tm_year == today.tm_year else "%b %Y", t)
 
 
+def _title(conv: Conversation, live: bool) -> str:
+    return ("● " if live else "") + conv.title        # ● a reply is being generated there
+
+
 class ConversationItem(ListItem):
     def __init__(self, conv: Conversation, *, live: bool = False, current: bool = False):
         super().__init__(classes="conv-item -current" if current else "conv-item")
         self.conv_id = conv.id
-        self.conv_title = ("● " if live else "") + conv.title        # ● a reply is being generated there
+        self.conv_title = _title(conv, live)
         self.updated = conv.updated
 
     def compose(self) -> ComposeResult:
@@ -34,7 +38,7 @@ class ConversationItem(ListItem):
 
     def show(self, conv: Conversation, *, live: bool = False, current: bool = False) -> None:
         """The same conversation, as it is now (ConversationList updates its rows in place)."""
-        title = ("● " if live else "") + conv.title
+        title = _title(conv, live)
         if (title, conv.updated) != (self.conv_title, self.updated):
             self.conv_title, self.updated = title, conv.updated
             self.query_one(".conv-title", Label).update(title)
