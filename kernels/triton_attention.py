@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_pdl import dependent_launches, launch_options, wait_then_release
+
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256     # below this much context per split the reduce costs more than it saves
 MAX_SPLITS = 32
@@ -182,10 +184,13 @@ def _decode_split_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, q_ptr, k_cache_pt
                          stride_cb, stride_cr, stride_ch, stride_cd, stride_bt,
                          NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+                         PDL: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    if PDL:
+        wait_then_release()
     ctx = tl.load(context_lens_ptr + seq)
     # num_splits is a runtime value: as contexts grow the heuristic changes it, and a constexpr
     # would mean a JIT compile mid-conversation for each new value.
@@ -229,9 +234,11 @@ def _decode_split_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, q_ptr, k_cache_pt
 def _decode_reduce_kernel(out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, query_start_loc_ptr, num_splits,
                           stride_ot, stride_oh, stride_od,
                           NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    if PDL:
+        wait_then_release()
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_ok = offs_s < num_splits
@@ -343,18 +350,20 @@ def paged_attention_split_k(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     part_acc = torch.empty((B, H, num_splits, D), dtype=torch.float32, device=q.device)
     part_m = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
     part_l = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
+    pdl = dependent_launches(q.device)
+    launch = launch_options(pdl)
     _decode_split_kernel[(B, kv_heads, num_splits)](
         part_acc, part_m, part_l, q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
         scale * LOG2E, num_splits, *q.stride(), *k_cache.stride(), block_tables.stride(0),
         NUM_HEADS=H, GROUP=group, HEAD_DIM=D, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        PRECISION=_precision(k_cache.dtype), num_warps=num_warps, num_stages=2,
+        PRECISION=_precision(k_cache.dtype), PDL=pdl, num_warps=num_warps, num_stages=2, **launch,
     )
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _decode_reduce_kernel[(B, H)](
         out, part_acc, part_m, part_l, query_start_loc, num_splits, *out.stride(),
         NUM_HEADS=H, HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(num_splits),
-        BLOCK_D=block_d, num_warps=1 if block_d <= 64 else 2,
+        BLOCK_D=block_d, PDL=pdl, num_warps=1 if block_d <= 64 else 2, **launch,
     )
     return out
 

@@ -16,13 +16,13 @@ tiles row-contiguous and sums in fp32; measured on the same H200 it was 1.3-1.9x
 cuBLAS on the small products and 1.02-1.06x on the large ones. Each program rebuilds its input
 (the norm's sum of squares, the activation): a few KB from L2 against its weight tile's reads.
 Values are rounded where the reference rounds them, except the normalised row (kept in fp32: see
-_matvec_kernel) and the products' summation order. On Hopper the products and the RoPE launch
-use programmatic dependent launch (_pdl). The whole step: 0.96 -> 0.51 ms of GPU time a token on
-the SmolLM2-135M shape, 1.11 -> 0.90 ms on the Llama-3.2-1B shape (README, "GPU").
+_matvec_kernel) and the products' summation order. On Hopper every launch of the step uses
+programmatic dependent launch (triton_pdl.py). The whole step: 0.96 -> 0.41 ms of GPU time a
+token on the SmolLM2-135M shape, 1.11 -> 0.84 ms on the Llama-3.2-1B shape (0.46 and 0.87 with
+the graph's greedy argmax, on another machine: README, "GPU").
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -31,6 +31,7 @@ import triton.language as tl
 
 from . import triton_attention
 from .triton_layers import _weighted
+from .triton_pdl import dependent_launches, launch_options, wait_then_release
 
 # what a product does to its input as it loads it (constexpr: the kernel branches on them)
 PLAIN, NORM, SILU = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -56,20 +57,26 @@ def prepare_layers(layers: list, num_heads: int, num_kv_heads: int, head_dim: in
 def _matvec_kernel(out_ptr, w_ptr, bias_ptr, x_ptr, ids_ptr, d_ptr, sum_ptr, norm_ptr,
                    N, K, stride_w, stride_x, eps,
                    PROLOGUE: tl.constexpr, GATHER: tl.constexpr, ADD: tl.constexpr, WRITE_SUM: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, PDL: tl.constexpr, ONE_TILE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[n] = sum_k W[n, k] * a[k] for one row a made from x as it is loaded:
     PLAIN a = x; NORM a = rms_norm(x (+ d)) * norm (program 0 writes x (+ d) to sum_ptr when
     WRITE_SUM); SILU a = silu(x[:K]) * x[K:]. GATHER: x is row ids[0] of a table.
     NORM sums W * norm * s and the squares of s in one pass and scales the sum by 1/rms(s) at
     the end: no pass over the row before the weights stream (the reference rounds the normalised
-    row to the activations' dtype; here it stays fp32). PDL: see _launch."""
+    row to the activations' dtype; here it stays fp32). PDL: kernels/triton_pdl.py. ONE_TILE: K
+    fits one tile, so the program's whole weight slice is read before the wait, while the kernel
+    before still runs (the SmolLM2-135M shape's step 0.486 -> 0.450 ms on an H200, 2026-11-27)."""
     pid = tl.program_id(0)
     dt = w_ptr.dtype.element_ty
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     ks = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows[:, None] * stride_w + ks[None, :]
+    if ONE_TILE:        # weights never depend on the kernel before: read them while it finishes
+        w_all = tl.load(w_ptrs, mask=row_ok[:, None] & (ks[None, :] < K), other=0.0, eviction_policy="evict_first")
     if PDL:
-        tl.extra.cuda.gdc_wait()      # launched early (PDL): the inputs are ready from here on
+        wait_then_release()           # launched early (PDL): the inputs are ready from here on
     row_ptr = x_ptr
     if GATHER:
         row_ptr = x_ptr + tl.load(ids_ptr).to(tl.int64) * stride_x
@@ -78,8 +85,11 @@ def _matvec_kernel(out_ptr, w_ptr, bias_ptr, x_ptr, ids_ptr, d_ptr, sum_ptr, nor
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + ks
         ok = kk < K
-        w = tl.load(w_ptr + rows[:, None] * stride_w + kk[None, :], mask=row_ok[:, None] & ok[None, :], other=0.0,
-                    eviction_policy="evict_first")          # read once per step: keep L2 for activations
+        if ONE_TILE:
+            w = w_all
+        else:
+            w = tl.load(w_ptrs + k0, mask=row_ok[:, None] & ok[None, :], other=0.0,
+                        eviction_policy="evict_first")      # read once per step: keep L2 for activations
         if PROLOGUE == NORM:
             s = tl.load(row_ptr + kk, mask=ok, other=0.0)
             if ADD:             # the residual add, rounded as the reference's `x + delta`
@@ -98,8 +108,6 @@ def _matvec_kernel(out_ptr, w_ptr, bias_ptr, x_ptr, ids_ptr, d_ptr, sum_ptr, nor
         else:
             a = tl.load(row_ptr + kk, mask=ok, other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * a[None, :]
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     out = tl.sum(acc, axis=1)
     if PROLOGUE == NORM:          # the norm's scale, known only once the row's squares are summed
         out = out * tl.rsqrt(tl.sum(squares, 0) / K + eps)
@@ -108,33 +116,25 @@ def _matvec_kernel(out_ptr, w_ptr, bias_ptr, x_ptr, ids_ptr, d_ptr, sum_ptr, nor
     tl.store(out_ptr + rows, out.to(dt).to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
-USE_PDL = True          # off only to measure what it gives (README, "GPU")
-
-
-def _pdl(device: torch.device) -> bool:
-    """Whether the kernels launch with programmatic dependent launch (Hopper and later): each is
-    started while the kernel before it finishes, and waits (griddepcontrol.wait) before reading
-    or writing anything, so its launch and set-up overlap the tail of the one before."""
-    return USE_PDL and device.type == "cuda" and _capability(device) >= 9
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device: torch.device) -> int:
-    return torch.cuda.get_device_capability(device)[0]
-
-
 def _tiles(n: int, k: int, prologue: int, on_gpu: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps) for an [n, k] product: the fastest of a sweep on an H200 for each
-    kind of matrix (small ones want many programs of few rows and long K tiles; large ones wider
-    rows). A program that rebuilds its input (norm, SiLU) takes at least 8 rows, so the input's
-    re-reads stay well below the weight's. Triton's interpreter (tests off a GPU) runs programs
-    one at a time in Python: there, few programs of many rows."""
+    """(BLOCK_N, BLOCK_K, warps) for an [n, k] product: the fastest in sweeps of a whole decode
+    step's GPU time on an H200 (2026-11-26 and -27, SmolLM2-135M and Llama-3.2-1B shapes), each
+    kind of matrix tried in place: small matrices want many programs of few rows and long K
+    tiles (one tile where K allows: its weights are then read before the wait, see _matvec_kernel),
+    large ones wider rows. Against the tiles before, the down product (SILU) took 2048-wide K
+    tiles (0.450 -> 0.413 ms a step on the 135M shape, where that is one tile; 0.893 -> 0.877 on
+    the 1B shape) and the gate/up product 128-wide ones (0.893 -> 0.856, 1B). A program that rebuilds
+    its input (norm, SiLU) takes at least 8 rows, so the input's re-reads stay well below the
+    weight's. Triton's interpreter (tests off a GPU) runs programs one at a time in Python:
+    there, few programs of many rows."""
     if not on_gpu:
         return 64, 128, 4
     if n >= 65536:
         return 16, 256, 4
     if n >= 8192:
-        return 32, 128 if k < 1024 else 256, 4
+        return 32, 128, 4
+    if prologue == SILU:
+        return 8, 2048, 8
     rows = 4 if n <= 2048 else 8
     return (max(rows, 8) if prologue != PLAIN else rows), 1024, 8
 
@@ -150,14 +150,15 @@ def matvec(weights: tuple, x: torch.Tensor, *, prologue: int = PLAIN, ids: torch
     out = torch.empty((1, N), dtype=out_dtype or weight.dtype, device=weight.device)
     block_n, block_k, warps = _tiles(N, K, prologue, weight.device.type == "cuda")
     block_k = min(block_k, triton.next_power_of_2(K))
-    pdl = _pdl(weight.device)
+    pdl = dependent_launches(weight.device)
     _matvec_kernel[(triton.cdiv(N, block_n),)](
         out, weight, bias if bias is not None else weight, x, ids if ids is not None else x,
         delta if delta is not None else x, sum_out if sum_out is not None else x, norm if norm is not None else x,
         N, K, weight.stride(0), x.stride(0) if ids is not None else 0, eps,
         PROLOGUE=prologue, GATHER=ids is not None, ADD=delta is not None, WRITE_SUM=sum_out is not None,
-        HAS_BIAS=bias is not None, PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=3,
-        **({"launch_pdl": True} if pdl else {}))
+        HAS_BIAS=bias is not None, PDL=pdl, ONE_TILE=K <= block_k, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=3,
+        **launch_options(pdl))
     return out
 
 
@@ -183,7 +184,7 @@ def _rope_store_kernel(q_out_ptr, qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_norm_ptr
     ok = offs < HALF
     dt = q_out_ptr.dtype.element_ty
     if PDL:
-        tl.extra.cuda.gdc_wait()
+        wait_then_release()
     src = qkv_ptr + t * stride_qkv + h * 2 * HALF          # k's heads follow q's in the product
     x1 = tl.load(src + offs, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF + offs, mask=ok, other=0.0).to(tl.float32)
@@ -228,14 +229,14 @@ def rope_store(qkv: torch.Tensor, positions: torch.Tensor, table: tuple[torch.Te
     if k_cache.stride(-1) != 1:
         raise ValueError("the K/V cache's head_dim values must be contiguous")
     cos, sin = table
-    pdl = _pdl(qkv.device)
+    pdl = dependent_launches(qkv.device)
     q = torch.empty((T, H, D), dtype=qkv.dtype, device=qkv.device)
     _rope_store_kernel[(T, H + KVH)](
         q, qkv, positions, cos, sin, q_norm if q_norm is not None else cos,
         k_norm if k_norm is not None else cos, k_cache, v_cache, slot_mapping, qkv.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), plan.eps,
         HEADS=H, KV_HEADS=KVH, HALF=D // 2, BLOCK_SIZE=k_cache.shape[1], QK_NORM=q_norm is not None,
-        PDL=pdl, BLOCK=triton.next_power_of_2(D // 2), num_warps=1, **({"launch_pdl": True} if pdl else {}))
+        PDL=pdl, BLOCK=triton.next_power_of_2(D // 2), num_warps=1, **launch_options(pdl))
     return q
 
 
