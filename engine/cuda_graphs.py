@@ -8,7 +8,8 @@ shapes and fixed addresses, so:
   batch runs in the graph of the next size up, its extra rows padding (slot -1 stores nothing,
   context 0 attends to nothing);
 - the inputs live in static buffers that a step copies into before the replay, and the logits
-  come out in the graph's own output tensor (valid until the next replay);
+  come out in the graph's own output tensor (valid until the next replay), with each row's
+  greedy token (sampler.greedy, in the graph: an all-greedy step launches nothing after it);
 - attention's context split count is fixed per size (what the longest context would use), and
   the graphs are captured again when the weights change (quantization) or the batch limit grows.
 A capture that fails leaves the engine decoding eagerly, with a notice. Steps with prompt tokens
@@ -20,9 +21,11 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
+
+from .sampler import greedy
 
 LADDER_STEP = 16      # past 16 rows, sizes every 16: padding wastes at most 15 rows
 
@@ -67,6 +70,12 @@ class CudaGraph:
 
     def replay(self) -> None:
         self._graph.replay()
+
+
+class Replayed(NamedTuple):
+    """A replay's outputs for its rows, views of the graph's own tensors (valid until the next replay)."""
+    logits: torch.Tensor          # [rows, vocab] fp32
+    greedy: torch.Tensor          # [rows] int64: each row's argmax, NO_TOKEN for a NaN row
 
 
 @dataclass
@@ -154,7 +163,7 @@ class DecodeGraphs:
         self.enabled = True
         self.failed: str | None = None        # why capture failed: decoding stays eager until toggled again
         self.sizes: list[int] = []
-        self._graphs: dict[int, tuple[Graph, torch.Tensor]] = {}
+        self._graphs: dict[int, tuple[Graph, Replayed]] = {}
         self._key: Any = None
         self._buffers: DecodeBuffers | None = None
         self._inputs: StagedInputs | None = None
@@ -234,11 +243,19 @@ class DecodeGraphs:
         # sum(ladder) rows of the vocabulary (1.3 GB for a batch limit of 256 and a 152K vocabulary).
         probe = self._forward(buffers.first(1))
         logits = torch.empty((max_batch, probe.shape[1]), dtype=probe.dtype, device=probe.device)
+        tokens = torch.empty(max_batch, dtype=torch.long, device=probe.device)
         self.sizes = ladder(max_batch)
         for size in reversed(self.sizes):          # largest first: the smaller ones reuse its pool
             graph = self._new_graph(pool)
-            view, out = buffers.first(size), logits[:size]
-            self._graphs[size] = (graph, graph.capture(lambda v=view, o=out: o.copy_(self._forward(v))))
+            view, out = buffers.first(size), Replayed(logits[:size], tokens[:size])
+            graph.capture(lambda v=view, o=out: self._step(v, o))
+            self._graphs[size] = (graph, out)
+
+    def _step(self, view: DecodeBuffers, out: Replayed) -> torch.Tensor:
+        """What a graph records: the forward, its logits copied out, each row's greedy token."""
+        out.logits.copy_(self._forward(view))
+        out.greedy.copy_(greedy(out.logits))
+        return out.logits
 
     def release(self) -> None:
         """Drop the graphs, their memory and the buffers (captured again when next needed)."""
@@ -246,10 +263,10 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, rows: DecodeRows, max_batch: int, key: Any,
-            ids: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The step's logits [rows, vocab] from a graph replay (a view of the graph's output, valid
-        until the next replay); None when no graph takes the batch (then the step runs eagerly).
-        ids: the input ids on the device (decode ahead), in place of rows.input_ids."""
+            ids: torch.Tensor | None = None) -> Replayed | None:
+        """The step's logits and greedy tokens from a graph replay (views of the graph's outputs,
+        valid until the next replay); None when no graph takes the batch (then the step runs
+        eagerly). ids: the input ids on the device (decode ahead), in place of rows.input_ids."""
         n = len(rows.input_ids)
         if self._key != (max_batch, key) and not self.prepare(max_batch, key):
             return None
@@ -263,7 +280,7 @@ class DecodeGraphs:
         graph.replay()
         self.replays += 1
         self.last = (n, size)
-        return out[:n]
+        return Replayed(out.logits[:n], out.greedy[:n])
 
     def replay(self, size: int) -> None:
         """Replay the graph of `size` on its buffers as they stand (to time the device's share

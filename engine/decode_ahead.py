@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from .cuda_graphs import DecodeGraphs, DecodeRows
+from .cuda_graphs import DecodeGraphs, DecodeRows, Replayed
 from .scheduler import ScheduledSeq
 
 
@@ -32,26 +32,26 @@ class DecodeAhead:
         cuda = graphs.device.type == "cuda"
         self._copied = torch.cuda.Event() if cuda else None
         self._host = torch.empty(0, dtype=torch.long)       # pinned on a GPU: the copy does not wait
-        # (key, the rows' sequences and positions, the replay's logits) of the step replayed ahead
-        self._pending: tuple[Any, list[tuple[Any, int]], torch.Tensor] | None = None
+        # (key, the rows' sequences and positions, the replay's outputs) of the step replayed ahead
+        self._pending: tuple[Any, list[tuple[Any, int]], Replayed] | None = None
         self.used = 0                 # steps that took logits replayed ahead
         self.dropped = 0              # replays ahead that no step took
 
     def _key(self, max_batch: int, weights: Any) -> tuple:
         return self._graphs.captures, max_batch, weights
 
-    def take(self, items: list[ScheduledSeq], max_batch: int, weights: Any) -> torch.Tensor | None:
-        """The logits replayed ahead for this step, if its rows are the ones expected; whatever
+    def take(self, items: list[ScheduledSeq], max_batch: int, weights: Any) -> Replayed | None:
+        """The replay ahead's outputs for this step, if its rows are the ones expected; whatever
         was pending is gone after this call (the graphs' output changes with the next replay)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return None
-        key, rows, logits = pending
+        key, rows, replayed = pending
         if key == self._key(max_batch, weights) and len(rows) == len(items) and all(
                 item.seq is seq and item.seq.num_computed_tokens == position
                 for item, (seq, position) in zip(items, rows)):
             self.used += 1
-            return logits
+            return replayed
         self.dropped += 1
         return None
 
@@ -65,10 +65,10 @@ class DecodeAhead:
         host.copy_(tokens, non_blocking=True)               # queued before the replay ahead
         if self._copied is not None:
             self._copied.record()
-        logits = self._graphs.run(rows, max_batch, weights, ids=tokens)
-        if logits is not None:
+        replayed = self._graphs.run(rows, max_batch, weights, ids=tokens)
+        if replayed is not None:
             expected = [(item.seq, p) for item, p in zip(items, rows.positions)]
-            self._pending = (self._key(max_batch, weights), expected, logits)
+            self._pending = (self._key(max_batch, weights), expected, replayed)
         if self._copied is not None:
             self._copied.synchronize()                      # this step's tokens only, not the replay
         return host.tolist()

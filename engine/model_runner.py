@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import torch
 
-from .cuda_graphs import DecodeBuffers, DecodeGraphs, DecodeRows, Graph
+from .cuda_graphs import DecodeBuffers, DecodeGraphs, DecodeRows, Graph, Replayed
 from .decode_ahead import DecodeAhead
 from .model import AttentionBatch, Transformer
 from .model_config import ModelConfig
@@ -35,6 +35,7 @@ class StepLogits:
     logits: torch.Tensor
     starts: list[int]
     tile_seconds: float | None = None
+    greedy: torch.Tensor | None = None     # a replayed decode step's: each row's greedy token
 
     def rows(self, idx: int) -> torch.Tensor:
         return self.logits[self.starts[idx]:self.starts[idx + 1]]
@@ -160,9 +161,9 @@ class ModelRunner:
         verify. on_layer follows the forward through the layers (Transformer.forward)."""
         self._replayed = False
         if self.graphs is not None:
-            logits = self._decode_from_graphs(items, drafts)
-            if logits is not None:
-                return StepLogits(logits, list(range(len(items) + 1)))
+            replayed = self._decode_from_graphs(items, drafts)
+            if replayed is not None:
+                return StepLogits(replayed.logits, list(range(len(items) + 1)), greedy=replayed.greedy)
         work, rows = [], []
         for idx, item in enumerate(items):
             w = Work.of(item.seq, item.num_tokens)
@@ -178,16 +179,16 @@ class ModelRunner:
         logits = self.forward(work, rows, on_layer)
         return StepLogits(logits, starts, self.model.ops.tile_seconds())
 
-    def _decode_from_graphs(self, items: list[ScheduledSeq], drafts: dict[int, list[int]]) -> torch.Tensor | None:
-        """A decode-only step's logits from a graph: replayed ahead by the last step, or now; None
+    def _decode_from_graphs(self, items: list[ScheduledSeq], drafts: dict[int, list[int]]) -> Replayed | None:
+        """A decode-only step's outputs from a graph: replayed ahead by the last step, or now; None
         for any other step, or a batch no graph takes."""
         decode = not drafts and all(i.num_tokens == 1 and i.samples for i in items)
         ahead = self.ahead.take(items if decode else [], self.max_batch, self._weights_key())
         if not decode:
             return None
-        logits = ahead if ahead is not None else self._replay(items)
-        self._replayed = logits is not None
-        return logits
+        replayed = ahead if ahead is not None else self._replay(items)
+        self._replayed = replayed is not None
+        return replayed
 
     def tokens_to_host(self, tokens: torch.Tensor, goes_on: list[ScheduledSeq] | None = None) -> list[int]:
         """A step's sampled tokens (on the device) as ints. goes_on: the step's rows when every one
@@ -197,7 +198,7 @@ class ModelRunner:
             return tokens.tolist()
         return self.ahead.read(goes_on, tokens, self.max_batch, self._weights_key())
 
-    def _replay(self, items: list[ScheduledSeq]) -> torch.Tensor | None:
+    def _replay(self, items: list[ScheduledSeq]) -> Replayed | None:
         bs = self.block_size
         seqs = [item.seq for item in items]
         positions = [s.num_computed_tokens for s in seqs]

@@ -85,15 +85,20 @@ def draw_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> 
     return picked.clamp_max(probs.shape[1] - 1)
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] -> each row's argmax [B] (on logits' device); NO_TOKEN for a row holding a NaN.
+    argmax takes a NaN as the largest value, so such a row picks a NaN: one pass, not three; and
+    no wait for the device (a decode graph runs this inside its replay: cuda_graphs.py)."""
+    best = logits.argmax(-1)
+    ok = ~torch.isnan(logits.gather(1, best.unsqueeze(1)).squeeze(1))
+    return best.masked_fill(~ok, NO_TOKEN)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> torch.Tensor:
     """logits [B, V] -> token ids [B] (on logits' device); NO_TOKEN where a row is unusable."""
     if all(p.greedy for p in params):
-        best = logits.argmax(-1)
-        # argmax takes a NaN as the largest value, so a row holding one picks a NaN: one pass, not
-        # three; and with nothing to draw, no wait for the device here
-        ok = ~torch.isnan(logits.gather(1, best.unsqueeze(1)).squeeze(1))
-        return best.masked_fill(~ok, NO_TOKEN)
+        return greedy(logits)
     probs = target_probs(logits, params)
     ok = usable(probs)
     out = probs.argmax(-1).masked_fill(~ok, NO_TOKEN)
