@@ -43,9 +43,10 @@ def padded_size(sizes: list[int], rows: int) -> int | None:
 
 
 class Graph(Protocol):
-    """What DecodeGraphs needs of a graph: record a function once, run its record again."""
+    """What DecodeGraphs needs of a graph: record a function once, run its record again (the
+    function writes its results into tensors it was given: a graph's outputs are fixed addresses)."""
 
-    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor: ...
+    def capture(self, fn: Callable[[], None]) -> None: ...
 
     def replay(self) -> None: ...
 
@@ -57,7 +58,7 @@ class CudaGraph:
         self._graph = torch.cuda.CUDAGraph()
         self._pool = pool
 
-    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def capture(self, fn: Callable[[], None]) -> None:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -65,8 +66,7 @@ class CudaGraph:
         torch.cuda.current_stream().wait_stream(side)
         # thread_local: the UI or telemetry threads may touch CUDA while the step thread captures
         with torch.cuda.graph(self._graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = fn()
-        return out
+            fn()
 
     def replay(self) -> None:
         self._graph.replay()
@@ -251,11 +251,10 @@ class DecodeGraphs:
             graph.capture(lambda v=view, o=out: self._step(v, o))
             self._graphs[size] = (graph, out)
 
-    def _step(self, view: DecodeBuffers, out: Replayed) -> torch.Tensor:
+    def _step(self, view: DecodeBuffers, out: Replayed) -> None:
         """What a graph records: the forward, its logits copied out, each row's greedy token."""
         out.logits.copy_(self._forward(view))
         out.greedy.copy_(greedy(out.logits))
-        return out.logits
 
     def release(self) -> None:
         """Drop the graphs, their memory and the buffers (captured again when next needed)."""
