@@ -243,11 +243,8 @@ class Engine:
         if not plain:
             return {}
         seqs = [plan.items[i].seq for i in plain]
-        if out.greedy is not None and all(s.params.greedy for s in seqs):
-            tokens = out.greedy          # a replayed decode step (every item, in order) sampled in its graph
-        else:
-            tokens = sample(out.first_rows(plain), [s.params for s in seqs],
-                            [s.generator or self._generator for s in seqs])
+        tokens = sample(out.first_rows(plain), [s.params for s in seqs], [s.generator or self._generator for s in seqs],
+                        argmax=out.greedy)
         # every row decodes again next, speculation off: the runner may queue that step first
         goes_on = plan.items if len(plain) == len(plan.items) and self.speculative.proposer is None else None
         tokens = self.runner.tokens_to_host(tokens, goes_on)

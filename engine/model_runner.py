@@ -35,7 +35,9 @@ class StepLogits:
     logits: torch.Tensor
     starts: list[int]
     tile_seconds: float | None = None
-    greedy: torch.Tensor | None = None     # a replayed decode step's: each row's greedy token
+    # a replayed decode step's: each row's greedy token, computed in its graph (every item samples,
+    # in order, so these line up with first_rows of all items)
+    greedy: torch.Tensor | None = None
 
     def rows(self, idx: int) -> torch.Tensor:
         return self.logits[self.starts[idx]:self.starts[idx + 1]]

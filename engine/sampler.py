@@ -95,10 +95,12 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> torch.Tensor:
-    """logits [B, V] -> token ids [B] (on logits' device); NO_TOKEN where a row is unusable."""
+           generators: list[torch.Generator | None], argmax: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [B, V] -> token ids [B] (on logits' device); NO_TOKEN where a row is unusable.
+    argmax: greedy(logits) already computed on the device (a decode graph's), taken when every
+    row is greedy."""
     if all(p.greedy for p in params):
-        return greedy(logits)
+        return argmax if argmax is not None else greedy(logits)
     probs = target_probs(logits, params)
     ok = usable(probs)
     out = probs.argmax(-1).masked_fill(~ok, NO_TOKEN)

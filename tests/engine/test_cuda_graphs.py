@@ -74,27 +74,29 @@ def test_graph_decoding_matches_eager_decoding_on_a_padded_batch() -> None:
 
 
 def test_greedy_rows_take_the_token_their_replay_picked_and_sampled_rows_still_sample(monkeypatch) -> None:
-    # A replay leaves each row's argmax; an all-greedy step takes it and calls no sampler. A stale
-    # token (the replay before's) or one picked from the wrong row would change the tokens.
+    # A replay leaves each row's argmax; an all-greedy step takes it and picks nothing on the host.
+    # A stale token (the replay before's) or one picked from the wrong row would change the tokens.
     import pdchat.engine.engine as engine_module
-    calls = []
-    real = engine_module.sample
-    monkeypatch.setattr(engine_module, "sample", lambda logits, *a: calls.append(logits.shape[0]) or real(logits, *a))
+    import pdchat.engine.sampler as sampler
+    picked, drawn = [], []              # host-side argmaxes; sample() calls that drew at random
+    real_greedy, real_draw = sampler.greedy, sampler.draw_rows
+    monkeypatch.setattr(sampler, "greedy", lambda logits: picked.append(logits.shape[0]) or real_greedy(logits))
+    monkeypatch.setattr(sampler, "draw_rows", lambda probs, g: drawn.append(probs.shape[0]) or real_draw(probs, g))
+    assert engine_module.sample is sampler.sample
     with _engine() as engine:
         steps, run_step = [], engine.runner.run_step
         engine.runner.run_step = lambda *a: steps.append(run_step(*a)) or steps[-1]
         with_graphs = _greedy(engine, n=6)
         replays = engine.stats().graph_replays
         assert replays >= 5 and sum(s.greedy is not None for s in steps) == replays
-        assert len(calls) == len(steps) - replays           # only the steps with prompt tokens sampled on the host
+        assert len(picked) == len(steps) - replays          # only the steps with prompt tokens picked on the host
         engine.update(cuda_graphs=False)
-        calls.clear()
-        assert _greedy(engine, n=6) == with_graphs and len(calls) >= 6
+        picked.clear()
+        assert _greedy(engine, n=6) == with_graphs and len(picked) >= 6
         engine.update(cuda_graphs=True)
-        calls.clear()
         seeded = SamplingParams(max_tokens=4, temperature=0.9, seed=3, ignore_eos=True)
         first = engine.generate(PROMPTS[:1], seeded)[0].token_ids
-        assert engine.stats().graph_replays > replays and len(calls) == 4      # every step drew its token
+        assert engine.stats().graph_replays > replays and len(drawn) == 4      # every step drew its token
         engine.update(cuda_graphs=False)
         assert engine.generate(PROMPTS[:1], seeded)[0].token_ids == first
 
