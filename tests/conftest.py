@@ -42,12 +42,13 @@ def poisoned_sampling(monkeypatch) -> float:
     from pdchat.engine import engine as engine_module
     from pdchat.engine.sampler import sample
 
-    def poisoned(logits, params, generators):
+    def poisoned(logits, params, generators, argmax=None):
+        rows = [row for row, p in enumerate(params) if p.temperature == POISON_TEMPERATURE]
+        if not rows:
+            return sample(logits, params, generators, argmax)
         logits = logits.clone()
-        for row, p in enumerate(params):
-            if p.temperature == POISON_TEMPERATURE:
-                logits[row] = float("nan")
-        return sample(logits, params, generators)
+        logits[rows] = float("nan")
+        return sample(logits, params, generators)       # (a graph's argmax is of the logits before)
 
     monkeypatch.setattr(engine_module, "sample", poisoned)
     return POISON_TEMPERATURE
