@@ -251,7 +251,7 @@ class _PlanBuilder:
 
     def _min_slice(self, planned: int) -> int:
         """MIN_SLICE, or where rows go by vectors the slice up to it that ends a vector (15 beside
-        one decode: 16 rows; 17 would cost what 31 do)."""
+        one decode: 16 rows; with vectors of 16, 17 would cost what 31 do)."""
         g = self.cost.granule
         ends = (planned + MIN_SLICE) // g * g - planned
         return ends if ends > 0 else MIN_SLICE

@@ -36,11 +36,12 @@ FLAGS = (*CODE_FLAGS, "-march=native", "-shared", "-fPIC")      # the library fo
 # prompts of 48-96 tokens 0.64-0.87x as fast as fp32 on the default model, 2026-11-26), except
 # where the build's integer kernels say they go further (pd_quant_max_rows: the VNNI builds', all
 # the way).
-# Three vectors of ROW_GRANULE rows: 41-48 rows cost what 40 did.
+# Three vectors of AVX-512: 41-48 rows cost what 40 did.
 LINEAR_MAX_ROWS = 48
-# Rows the products and the attention tiles take at a time (outer-product strips of 16 rows, TR in
-# cpu_kernels.c): 33 rows cost what 48 do.
-ROW_GRANULE = 16
+# Rows by which the fp32 products' cost rises (outer-product strips of 8, cpu_kernels.c): 41 rows
+# cost what 48 do, 17 what 24 do. The AVX-512 VNNI integer kernels take rows 16 at a time, so there
+# every other step of 8 costs nothing, which the step cost model's price per vector learns.
+ROW_GRANULE = 8
 UNPACK_FLOATS = 1 << 22    # quantized weights unpacked for BLAS this many at a time (16 MB, one buffer)
 QBLOCK = 64                # activation quantization block of the int8 product (cpu_kernels.c)
 

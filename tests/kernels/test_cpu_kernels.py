@@ -21,7 +21,7 @@ def rand(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 6, 9, cpu.LINEAR_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 3, 6, 8, 9, 24, 40, cpu.LINEAR_MAX_ROWS])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_reference(ops, rows, bias):
     x, w = rand(rows, 192), rand(81, 192, seed=1)      # an odd row count: the last one unpaired
@@ -48,6 +48,16 @@ def test_48_rows_give_the_same_sums_in_one_strip_or_three(ops, rows):
         assert lib.pd_outer_choose() in (0, int(wide))
     finally:
         lib.pd_outer_narrow_48(chosen)
+
+
+def test_a_row_gets_the_same_sums_whatever_strips_its_product_takes(ops):
+    """From 8 rows the product goes by strips of 8, 16, 32 or 48 rows as the row count makes them;
+    each sum adds its k in order in any strip, so a row's result does not depend on how many rows
+    share its step (a prompt slice of any size, any number of streams beside it)."""
+    x, w, b = rand(cpu.LINEAR_MAX_ROWS, 192), rand(81, 192, seed=1), rand(81, seed=2)
+    whole = ops.linear(x, w, b)
+    for rows in range(8, cpu.LINEAR_MAX_ROWS):
+        assert torch.equal(ops.linear(x[:rows], w, b), whole[:rows]), rows
 
 
 def test_linear_beyond_small_batches_is_blas(ops):
