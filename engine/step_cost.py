@@ -19,9 +19,8 @@ AVX-512 vector; its int8 ones 16 at a time there) a slice's `tokens` are the cha
 With vectors of 16, 17 prompt tokens beside one decode cost what 31 do (measured at the start of
 a prompt, default model: the decode alone 26 ms, with 15 tokens 39, with 31 56, with 47 75); slices
 sized by tokens alone mostly ended inside a vector (39, 32, 16 tokens beside a decode: 40, 33, 17
-rows). Strips of 8 halve that waste: the budget that left 15 tokens (a 31-token step was past it)
-now takes 23 where it fits (default model, budget 3, 2026-11-27: 82 steps for a 1,728-token
-prompt where there had been ~115).
+rows). The products now go by strips of 8, so a step may end at 24 rows where 32 are past the
+budget.
 And a step's vectors are not alike, so the charged tokens count by the vector of the step they are
 in, each vector with its own coefficient (`vector_split`). A decode alone is bound by reading the
 weights: the rows that fill its vector ride that read, while each further vector is paid in
