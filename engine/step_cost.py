@@ -14,8 +14,9 @@ model's FLOPs say relative to a token. Where the kernels time a slice's attentio
 CPU's one-call forward) the pair's price is fitted on that time alone (see _Fit).
 
 Where the kernels take rows by vectors (a CPU's fp32 products: strips of 8 rows, half an
-AVX-512 vector; its int8 ones 16 at a time there) a slice's `tokens` are the charged ones: the step's rows rounded up to whole vectors, less its decodes' rows
-(`charged_tokens`; a whole prompt on BLAS is charged as it is).
+AVX-512 vector; its int8 ones 16 at a time there) a slice's `tokens` are the charged ones: the
+step's rows rounded up to whole vectors, less its decodes' rows (`charged_tokens`; a whole prompt
+on BLAS is charged as it is).
 With vectors of 16, 17 prompt tokens beside one decode cost what 31 do (measured at the start of
 a prompt, default model: the decode alone 26 ms, with 15 tokens 39, with 31 56, with 47 75); slices
 sized by tokens alone mostly ended inside a vector (39, 32, 16 tokens beside a decode: 40, 33, 17

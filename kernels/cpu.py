@@ -36,7 +36,7 @@ FLAGS = (*CODE_FLAGS, "-march=native", "-shared", "-fPIC")      # the library fo
 # prompts of 48-96 tokens 0.64-0.87x as fast as fp32 on the default model, 2026-11-26), except
 # where the build's integer kernels say they go further (pd_quant_max_rows: the VNNI builds', all
 # the way).
-# Three vectors of AVX-512: 41-48 rows cost what 40 did.
+# Three AVX-512 vectors of rows (41-48 rows cost what 40 did).
 LINEAR_MAX_ROWS = 48
 # Rows by which the fp32 products' cost rises (outer-product strips of 8, cpu_kernels.c): 41 rows
 # cost what 48 do, 17 what 24 do. The AVX-512 VNNI integer kernels take rows 16 at a time, so there
