@@ -61,8 +61,8 @@ def load(name: str, cache_dir: Path | None = None) -> SimpleNamespace:
 class FastRows(NamedTuple):
     """A backend's fast path for small forwards (a CPU's one-call forward), as the scheduler's time
     budget needs to know it: past `limit` rows a step costs more than its rows say, and within it
-    the products' cost rises by whole vectors of `granule` rows (with 8, 17 rows cost what 24 do; the step
-    cost model charges them so, engine/step_cost.py)."""
+    the products' cost rises by whole vectors of `granule` rows (with 8, 17 rows cost what 24
+    do; the step cost model charges them so, engine/step_cost.py)."""
     limit: int
     granule: int
 
