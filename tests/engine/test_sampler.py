@@ -66,8 +66,11 @@ def test_usable_needs_finite_non_negative_rows_with_mass():
                          [float("nan"), 0.5, 0.5],
                          [float("inf"), 0.0, 0.0],
                          [0.6, -0.1, 0.5],                  # negative weight, positive sum
-                         [0.0, 0.0, 0.0]])                  # no mass
-    assert usable(rows).tolist() == [True, False, False, False, False]
+                         [0.0, 0.0, 0.0],                   # no mass
+                         [0.5, float("nan"), 0.5],          # a NaN past the first weight
+                         [0.5, 0.5, -float("inf")],
+                         [3e38, 3e38, 1.0]])                # finite weights whose fp32 sum overflows
+    assert usable(rows).tolist() == [True, False, False, False, False, False, False, True]
 
 
 # ---- target_probs on values worked out by hand (exact in float32) ------------------------------------
