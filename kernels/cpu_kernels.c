@@ -168,8 +168,10 @@ static void f32_rows(const void *p, int lo, int hi) {
  * ran at half the speed (a 16-stream decode step, a prefill slice beside a stream). Strips of 8
  * (half a vector of AVX-512) let 17-24 rows cost less than 32 do: the default model's products
  * over its 30 layers, 2-core AMD EPYC, 24 rows 32.6 ms against 39.5 padded to 32, 40 rows 52.7
- * against 59.3, 8 rows 18.0 against 21.1 (2026-11-27; the same bits). */
-#define OUTER_MIN_ROWS 8
+ * against 59.3, 8 rows 18.0 against 21.1 (2026-11-27; the same bits). From 4 rows a strip of 8
+ * beats the 4x4 tiles too: 4-7 rows 20-21 ms against 24-32 (an -march=haswell build 19-20 against
+ * 22-38), while 3 rows stay faster as tiles (19 against 23). */
+#define OUTER_MIN_ROWS 4
 /* Weight rows of a block and the widest strip, so that a block x strip's sums fit the registers:
  * 8 x 48 rows = 24 of AVX-512's 32; with 16 vector registers (AVX2, AVX-VNNI: 256 bits) or NEON's
  * 32 of 128 bits, 6 x 16 rows (12 or 24). 8 x 48 there spilled sums to the stack in the inner loop:
