@@ -114,48 +114,21 @@ static inline float dot_f32(const float *a, const float *b, int n) {
     return acc;
 }
 
-/* Four activation rows against four weight rows: sixteen dot products sharing their loads. */
-static inline void tile_4x4(const float *x0, int64_t K, const float *w0, float *out) {
-    const float *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
-    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f, b0 = 0.f, b1 = 0.f, b2 = 0.f, b3 = 0.f;
-    float c0 = 0.f, c1 = 0.f, c2 = 0.f, c3 = 0.f, d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3)
-    for (int64_t k = 0; k < K; k++) {
-        float p = x0[k], q = x1[k], r = x2[k], s = x3[k];
-        a0 += p * w0[k], a1 += q * w0[k], a2 += r * w0[k], a3 += s * w0[k];
-        b0 += p * w1[k], b1 += q * w1[k], b2 += r * w1[k], b3 += s * w1[k];
-        c0 += p * w2[k], c1 += q * w2[k], c2 += r * w2[k], c3 += s * w2[k];
-        d0 += p * w3[k], d1 += q * w3[k], d2 += r * w3[k], d3 += s * w3[k];
-    }
-    float t[16] = {a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3};
-    memcpy(out, t, sizeof t);
-}
-
 struct f32_job {
     const float *x, *w, *bias;
     float *y;
     int M, N, K;
 };
 
-/* Weight rows [lo, hi) (lo a multiple of 4) against all activation rows. */
+/* Weight rows [lo, hi) against the few activation rows: each weight row is read from memory once
+ * and serves every row's dot product from L1. */
 static void f32_rows(const void *p, int lo, int hi) {
     const struct f32_job *j = p;
-    const float *x = j->x, *w = j->w, *bias = j->bias;
-    int M = j->M, N = j->N, K = j->K;
-    for (int n = lo; n < hi; n += 4) {
-        int full = n + 4 <= hi;
-        int m = 0;
-        for (; full && m + 4 <= M; m += 4) {
-            float t[16];
-            tile_4x4(x + (int64_t)m * K, K, w + (int64_t)n * K, t);
-            for (int q = 0; q < 4; q++)
-                for (int i = 0; i < 4; i++)
-                    j->y[(int64_t)(m + i) * N + n + q] = t[4 * q + i] + (bias ? bias[n + q] : 0.f);
-        }
-        int n_end = n + 4 < hi ? n + 4 : hi;
-        for (; m < M; m++)
-            for (int q = n; q < n_end; q++)
-                j->y[(int64_t)m * N + q] = dot_f32(x + (int64_t)m * K, w + (int64_t)q * K, K) + (bias ? bias[q] : 0.f);
+    for (int n = lo; n < hi; n++) {
+        const float *wr = j->w + (int64_t)n * j->K;
+        float b = j->bias ? j->bias[n] : 0.f;
+        for (int m = 0; m < j->M; m++)
+            j->y[(int64_t)m * j->N + n] = dot_f32(j->x + (int64_t)m * j->K, wr, j->K) + b;
     }
 }
 
@@ -163,15 +136,17 @@ static void f32_rows(const void *p, int lo, int hi) {
  * transposed (k-major, its rows padded to a multiple of 8), and each weight, broadcast, multiplies
  * a strip of 8, 16, 32 or 48 rows at once. A block of OUTER_W weight rows x a strip of rows keeps its
  * sums in registers for the whole of K (no reduction across a vector at the end), the weight block
- * stays in L1 for every strip, and a strip is read from L2 once per weight block. The dot-product
- * form above re-reads every activation row from L2 for each four weight rows: at 16-40 rows it
- * ran at half the speed (a 16-stream decode step, a prefill slice beside a stream). Strips of 8
+ * stays in L1 for every strip, and a strip is read from L2 once per weight block. Dot products in
+ * 4x4 register tiles, which re-read every activation row from L2 for each four weight rows, ran
+ * at half its speed at 16-40 rows (a 16-stream decode step, a prefill slice beside a stream). Strips of 8
  * (half a vector of AVX-512) let 17-24 rows cost less than 32 do: the default model's products
  * over its 30 layers, 2-core AMD EPYC, 24 rows 32.6 ms against 39.5 padded to 32, 40 rows 52.7
- * against 59.3, 8 rows 18.0 against 21.1 (2026-11-27; the same bits). From 4 rows a strip of 8
- * beats the 4x4 tiles too: 4-7 rows 20-21 ms against 24-32 (an -march=haswell build 19-20 against
- * 22-38), while 3 rows stay faster as tiles (19 against 23). */
-#define OUTER_MIN_ROWS 4
+ * against 59.3, 8 rows 18.0 against 21.1 (2026-11-27; the same bits). A strip of 8 also beats
+ * those tiles at 4-7 rows; against one dot product at a time (f32_rows, faster than the tiles at
+ * 2-3 rows) it wins from 5 rows on AVX-512 (the layers' 5 rows 18.9 ms against 21.8; at 4 rows
+ * 18.8 against 18.7, and the vocabulary's 4.3 against 3.4) and from 4 with 256-bit vectors (an
+ * -march=haswell build here: 4 rows 18.4 against 26.9, 3 rows 19.9 against 21.4, 2 rows 19.8
+ * against 15.0): OUTER_MIN_ROWS, below. */
 /* Weight rows of a block and the widest strip, so that a block x strip's sums fit the registers:
  * 8 x 48 rows = 24 of AVX-512's 32; with 16 vector registers (AVX2, AVX-VNNI: 256 bits) or NEON's
  * 32 of 128 bits, 6 x 16 rows (12 or 24). 8 x 48 there spilled sums to the stack in the inner loop:
@@ -180,9 +155,11 @@ static void f32_rows(const void *p, int lo, int hi) {
 #ifdef __AVX512F__
 #define OUTER_W 8
 #define OUTER_STRIP_MAX 48
+#define OUTER_MIN_ROWS 5
 #else
 #define OUTER_W 6
 #define OUTER_STRIP_MAX 16
+#define OUTER_MIN_ROWS 4
 #endif
 
 /* The weights of an outer job: fp32 rows (w), or int8 rows (u8: q + 128, one scale a row) that
@@ -368,9 +345,8 @@ int pd_outer_choose(void) {
 }
 
 /* y[M, N] = x[M, K] @ w[N, K]^T + bias for small M (decode batches, speculative verification,
- * prefill chunks). Below OUTER_MIN_ROWS: each group of four weight rows is streamed from memory
- * once and reused from L1 for all M activation rows, four at a time (leftovers one dot product at
- * a time); from there on, the outer-product form above. Returns -1 if out of memory. */
+ * prefill chunks). Below OUTER_MIN_ROWS one dot product at a time (f32_rows), from there on the
+ * outer-product form above. Returns -1 if out of memory. */
 int pd_linear_f32(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
                   int threads) {
     if (M >= OUTER_MIN_ROWS) return outer_product(x, w, NULL, NULL, bias, y, M, N, K, threads);

@@ -124,7 +124,7 @@ static void parallel_rows(rows_fn fn, const void *args, int n, int chunk, int th
     pthread_mutex_unlock(&pool.call);
 }
 
-/* Rows per claim: a few per thread, a multiple of 4 (the fp32 tile). */
+/* Rows per claim: a few per thread, a multiple of 4 (the integer kernels' tiles of weight rows). */
 static inline int row_chunk(int n, int threads) {
     int c = (n / (4 * threads) + 3) & ~3;
     return c < 16 ? 16 : c;
