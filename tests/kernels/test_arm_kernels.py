@@ -91,8 +91,8 @@ def int4_jobs() -> list[Job]:
 
 def fp32_jobs() -> list[Job]:
     """The other kernels of a layer, at test_cpu_kernels' shapes."""
-    xf, wf, bf = rand(6, 96, seed=5), rand(40, 96, seed=3), rand(40, seed=4)
-    xo = rand(33, 96, seed=14)      # outer-product form: three strips of 16 rows, on NEON blocks of 6 weight rows and a last of 4
+    xf, wf, bf = rand(6, 96, seed=5), rand(40, 96, seed=3), rand(40, seed=4)   # 6 rows: one strip of 8 on NEON
+    xo = rand(33, 96, seed=14)      # outer-product strips of 16, 16 and 8 rows; NEON: blocks of 6 weight rows, a last of 4
     xn, dn, wn = rand(70, 4096, seed=6), rand(70, 4096, seed=7), rand(4096, seed=8)   # split over threads
     gu = rand(9, 2 * 48, seed=10) * 4
     gu[0, :6] = torch.tensor([-100.0, -87.5, -20.0, 20.0, 88.5, 100.0])              # exp's clamped range
