@@ -52,7 +52,7 @@ def test_48_rows_give_the_same_sums_in_one_strip_or_three(ops, rows):
 
 def test_a_row_gets_the_same_sums_whatever_strips_its_product_takes(ops):
     """From a few rows (OUTER_MIN_ROWS in cpu_kernels.c, 5 at most) the product goes by strips of
-    8, 16, 32 or 48 rows as the row count makes them; each sum adds its k in order in any strip,
+    8, 16, 24, 32 or 48 rows as the row count makes them; each sum adds its k in order in any strip,
     so a row's result does not depend on how many rows share its step (a prompt slice of any
     size, any number of streams beside it)."""
     x, w, b = rand(cpu.LINEAR_MAX_ROWS, 192), rand(81, 192, seed=1), rand(81, seed=2)
