@@ -7,7 +7,7 @@ from pdchat.engine.block_manager import BlockManager
 from pdchat.engine.config import SamplingParams
 from pdchat.engine.scheduler import FIRST_SLICE, MIN_SLICE, Scheduler
 from pdchat.engine.sequence import Sequence, Status
-from pdchat.engine.step_cost import StepCost, attention_pairs, charged_tokens
+from pdchat.engine.step_cost import StepCost, attention_pairs, charged_tokens, vector_split
 from pdchat.kernels import FastRows
 
 
@@ -504,3 +504,195 @@ def test_a_slices_timed_attention_reaches_the_cost_model():
     assert before != pytest.approx(0.008 / plan.prompt_pairs)
     sched.record(plan, 0.045, drafted=False, tile_seconds=0.004)
     assert cost.coefficients().pair == pytest.approx(0.004 / plan.prompt_pairs)
+
+
+# ---- a time budget's accounting within one step ------------------------------------------------------
+def _stream_beside(sched: Scheduler) -> Sequence:
+    stream = decoding("stream", 4, 500)
+    place(sched, stream, 4, 0, 5)
+    return stream
+
+
+def test_a_second_prompt_gets_the_seconds_the_first_left():
+    # 1 ms a token, a decode step of 25 ms, budget 3: 50 ms of prompt work a step. The first prompt's
+    # 20 tokens take 20 of them, the second the ~30 left (the fit is pulled slightly to its prior).
+    cost = _learned(1e-3, 0.0, 0.025)
+    sched = make_scheduler(BlockManager(64, 16, prefix_cache=False), cost, max_num_seqs=8, chunk_size="auto")
+    _stream_beside(sched)
+    sched.add(seq("short", 20, 100))
+    sched.add(seq("long", 400, 200))
+    plan = sched.schedule()
+    (stream, short, long), left = plan.items, cost.prompt_seconds(3.0) - cost.prefill_seconds(0, 20, other_rows=1)
+    assert (stream.num_tokens, short.num_tokens) == (1, 20) and 0.029 < left < 0.031
+    assert long.num_tokens == cost.tokens_within(left, 0, other_rows=21) and 28 <= long.num_tokens <= 31
+    assert plan.planned_s == pytest.approx(cost.step_seconds(cost.prefill_seconds(0, 20 + long.num_tokens,
+                                                                                  other_rows=1)))
+
+
+def test_a_slice_taken_back_by_a_preemption_gives_its_seconds_to_the_next():
+    # p1 (the latest admitted) is planned first, 20 tokens of the 50 ms; p2 then finds the pool
+    # short, p1 is preempted, and its 20 ms go back: p3 gets the 20 ms that p2's 30 tokens leave.
+    cost = _learned(1e-3, 0.0, 0.025)
+    sched = make_scheduler(BlockManager(19, 4, prefix_cache=False), cost, max_num_seqs=8, chunk_size="auto")
+    _stream_beside(sched)                                 # 2 blocks
+    p1, p2, p3 = seq("p1", 40, 100), seq("p2", 100, 200), seq("p3", 100, 400)
+    place(sched, p1, 20, 3, 20)                           # 5 blocks; 20 more tokens need 5 more
+    place(sched, p2, 4, 1, 4)                             # 1 block; its ~30 tokens need 8 more
+    place(sched, p3, 4, 2, 4)                             # 1 block; 10 free in all
+    plan = sched.schedule()
+    assert p1.status is Status.WAITING and p1.preemptions == 1
+    (stream, a, b) = plan.items
+    assert (stream.seq, a.seq, b.seq) == (sched.running[0], p2, p3)
+    assert 28 <= a.num_tokens <= 31
+    left = cost.prompt_seconds(3.0) - cost.prefill_seconds(4, a.num_tokens, other_rows=1)
+    assert b.num_tokens == cost.tokens_within(left, 4, other_rows=1 + a.num_tokens) and 18 <= b.num_tokens <= 21
+
+
+def test_a_two_token_prompt_beside_a_stream_goes_whole():
+    sched = make_scheduler(BlockManager(64, 16, prefix_cache=False), _learned(1e-3, 0.0, 0.025), max_num_seqs=8,
+                           chunk_size="auto")
+    _stream_beside(sched)
+    sched.add(seq("tiny", 2, 100))
+    assert planned(sched.schedule()) == [("stream", 1), ("tiny", 2)]
+
+
+def test_a_step_without_prompt_tokens_predicts_nothing():
+    sched = make_scheduler(BlockManager(64, 16, prefix_cache=False), _learned(1e-3, 0.0, 0.025), max_num_seqs=8,
+                           chunk_size="auto")
+    _stream_beside(sched)
+    plan = sched.schedule()
+    assert plan.decode_only and plan.predicted_s == 0.0 and plan.planned_s is None
+
+
+def test_a_slice_is_predicted_as_a_slice_beside_its_decodes():
+    cost = _learned(1e-3, 1e-7, 0.025, CPU_ROWS)
+    sched = make_scheduler(BlockManager(64, 16, prefix_cache=False), cost, max_num_seqs=8, chunk_size="auto")
+    _stream_beside(sched)
+    sched.add(seq("new", 300, 100))
+    plan = sched.schedule()
+    n = plan.prompt_tokens
+    assert plan.timed and 0 < n <= 47
+    sliced = cost.step_seconds(cost.work_seconds(cost.charged(n, 1, True), plan.prompt_pairs, True))
+    whole = cost.step_seconds(cost.work_seconds(cost.charged(n, 1, False), plan.prompt_pairs, True))
+    assert plan.predicted_s == pytest.approx(sliced) and sliced != pytest.approx(whole)
+
+
+@pytest.mark.parametrize("granule, planned_rows, want", [
+    (16, 1, 15),          # one decode: the slice ends the first vector
+    (16, 15, 1),          # fifteen decodes: one token ends theirs
+    (16, 16, 16),         # the decodes fill a vector: the next one whole
+    (32, 32, 16),         # no vector ends within MIN_SLICE: MIN_SLICE itself
+])
+def test_the_minimum_slice_ends_a_vector_where_one_ends_within_it(granule, planned_rows, want):
+    from pdchat.engine.scheduler import _PlanBuilder
+    cost = StepCost(pair_ratio=1e-3, fast_rows=FastRows(96, granule))
+    assert _PlanBuilder(None, 1.0, cost)._min_slice(planned_rows) == want
+
+
+def test_a_step_counts_as_a_slice_beside_decodes_and_within_the_fast_rows():
+    from pdchat.engine.scheduler import _as_slice
+    assert _as_slice(47, 1, CPU_ROWS) and not _as_slice(48, 1, CPU_ROWS)
+    assert not _as_slice(40, 10, CPU_ROWS)              # 50 rows: past the one-call path
+    assert not _as_slice(20, 0, CPU_ROWS) and _as_slice(500, 1, None)
+
+
+def test_a_prefill_step_is_learned_with_its_decode_rows():
+    seen = []
+    cost = _learned(1e-3, 0.0, 0.025, CPU_ROWS)
+    cost.record_prefill = lambda *a, **kw: seen.append((a, kw))
+    sched = make_scheduler(BlockManager(64, 16, prefix_cache=False), cost, max_num_seqs=8, chunk_size="auto")
+    for i in range(3):
+        place(sched, decoding(f"d{i}", 4, 100 * (i + 1)), 4, i, 5)
+    sched.add(seq("new", 300, 1000))
+    plan = sched.schedule()
+    sched.record(plan, 0.05, drafted=False)
+    (args, kw), = seen
+    assert args == (plan.prompt_tokens, plan.prompt_pairs, True, 0.05, 3) and kw == {"attention_s": None}
+
+
+def test_a_sequence_prefilled_elsewhere_joins_the_running_batch():
+    sched = make_scheduler(BlockManager(64, 16, prefix_cache=False), max_num_seqs=8, chunk_size=None)
+    first, handed = seq("first", 4), seq("handed", 6, 100)
+    sched.add(first)
+    run(sched.schedule())
+    handed.num_computed_tokens = 5                       # its K/V is in its blocks but for the last token
+    assert sched.blocks.ensure_capacity(handed, 6)
+    sched.add_running(handed)
+    assert handed.status is Status.RUNNING and handed.admitted_order > first.admitted_order
+    assert sched.running == [first, handed]
+    assert planned(sched.schedule()) == [("first", 1), ("handed", 1)]
+
+
+@pytest.mark.parametrize("budget, second", [(2.3, 5), (2.45, 21)])
+def test_a_slice_is_charged_for_the_rows_it_adds_beside_the_others(budget, second):
+    # Rows by vectors of 16: the first prompt's 10 tokens share the stream's vector and are charged
+    # the 15 that fill it (not 16 as if alone in a step, nor 11 of a second vector); the second
+    # prompt gets what is left: 5 tokens that end that vector, or a whole one more (21).
+    cost = _learned(1e-3, 0.0, 0.025, CPU_ROWS)
+    sched = make_scheduler(BlockManager(512, 16, prefix_cache=False), cost, step_budget=budget, max_num_seqs=8,
+                           chunk_size="auto")
+    _stream_beside(sched)
+    place(sched, seq("a", 14, 100), 4, 1, 4)
+    place(sched, seq("b", 400, 1000), 4, 2, 4)
+    assert planned(sched.schedule()) == [("stream", 1), ("a", 10), ("b", second)]
+
+
+def test_a_late_slice_is_sized_for_the_most_tokens_a_second_of_the_whole_step():
+    # b, 500 tokens into its prompt, pays attention over them: per second of a step that already
+    # holds the stream's decode and a's slice, 34 tokens prefill the most; weighed against the
+    # decode step alone, 26 would.
+    cost = _learned(1e-3, 1e-6, 0.025, CPU_ROWS)
+    sched = make_scheduler(BlockManager(512, 16, prefix_cache=False), cost, step_budget=4.0, max_num_seqs=8,
+                           chunk_size="auto")
+    _stream_beside(sched)
+    place(sched, seq("a", 9, 100), 4, 1, 4)
+    place(sched, seq("b", 800, 1000), 500, 2, 500)
+    assert planned(sched.schedule()) == [("stream", 1), ("a", 5), ("b", 34)]
+    left = cost.prompt_seconds(4.0) - cost.prefill_seconds(4, 5, other_rows=1)
+    assert cost.tokens_within(left, 500, other_rows=6, most=42) == 26
+
+
+def test_a_preempted_decode_gives_back_no_prompt_seconds():
+    # A decode is not charged to the time budget (the step is its to begin with), so when it is
+    # preempted the prompts after it get what they would have had anyway.
+    cost = _learned(1e-3, 0.0, 0.025)
+    sched = make_scheduler(BlockManager(22, 4, prefix_cache=False), cost, max_num_seqs=8, chunk_size="auto")
+    _stream_beside(sched)                                 # 2 blocks
+    victim = decoding("victim", 36, 100)
+    place(sched, victim, 36, 5, 37)                       # 10 blocks, the latest admitted
+    p2, p3 = seq("p2", 40, 200), seq("p3", 100, 400)
+    place(sched, p2, 20, 1, 20)                           # 5 blocks; its last 20 tokens need 5 more
+    place(sched, p3, 4, 2, 4)                             # 1 block; 4 free
+    plan = sched.schedule()
+    assert victim.status is Status.WAITING
+    assert [i.seq for i in plan.items] == [sched.running[0], p2, p3]
+    assert plan.items[1].num_tokens == 20 and 28 <= plan.items[2].num_tokens <= 31
+
+
+def test_beside_a_full_vector_path_of_decodes_a_prompt_still_moves_one_token_a_step():
+    cost = _learned(1e-3, 0.0, 0.025, CPU_ROWS)
+    sched = make_scheduler(BlockManager(128, 16, prefix_cache=False), cost, max_num_seqs=64, chunk_size="auto")
+    for i in range(48):
+        place(sched, decoding(f"d{i}", 4, 10 * i + 1), 4, i, 5)
+    sched.add(seq("new", 300, 1000))
+    plan = sched.schedule()
+    assert [i.num_tokens for i in plan.items] == [1] * 49 and plan.items[-1].seq.request_id == "new"
+
+
+def test_a_slice_capped_below_the_best_width_takes_the_best_of_the_widths_allowed():
+    # A machine whose second vector is dear and third cheap: the fit remembers three-vector
+    # slices, but after ten slices of one the step may grow to two vectors only. Of one and two,
+    # one prefills the most per second (three would beat both, and cut to two it would be worst).
+    cost = StepCost(pair_ratio=1e-4, fast_rows=CPU_ROWS)
+    for _ in range(5):
+        cost.record_decode(0.025)
+    for n in [15, 31, 47] * 3 + [15] * 10:
+        split = vector_split(n, 1, 16, 3)
+        price = sum(p * c for p, c in zip((0.5e-3, 3e-3, 0.5e-3), split))
+        cost.record_prefill(n, attention_pairs(100, n), True, 0.025 + price, other_rows=1)
+    sched = make_scheduler(BlockManager(512, 16, prefix_cache=False), cost, step_budget=4.0, max_num_seqs=8,
+                           chunk_size="auto")
+    _stream_beside(sched)
+    sched.add(seq("new", 500, 1000))
+    assert cost.slice_rows_cap(1) == 32 and cost.tokens_within(cost.prompt_seconds(4.0), 0, other_rows=1) == 47
+    assert planned(sched.schedule()) == [("stream", 1), ("new", 15)]
