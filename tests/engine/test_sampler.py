@@ -150,3 +150,21 @@ def test_draw_follows_the_distribution_and_never_picks_a_zero():
     tiny[-1] = 1.0                                          # almost all mass on the last of a big vocabulary
     assert all(draw(tiny, torch.Generator().manual_seed(s)) == 49151 for s in range(20))
     assert [draw(probs, torch.Generator().manual_seed(3)) for _ in range(2)] == [draw(probs, torch.Generator().manual_seed(3))] * 2
+
+
+def test_draw_rows_at_the_ends_of_the_uniform_range(monkeypatch):
+    """The pick is the first token whose cumulative mass exceeds u times the row's own total: at
+    u = 0 a leading token of no probability is skipped, rows need not sum to one (each is scaled
+    by its total), and a draw that rounds up to the total (u = 1 here) stays in the vocabulary."""
+    from pdchat.engine import sampler
+    probs = torch.tensor([[0.0, 2.0, 0.0, 2.0], [0.0, 0.0, 1.0, 1.0]])
+    for u, want in ((0.0, [1, 2]), (0.75, [3, 3]), (0.3, [1, 2]), (1.0, [3, 3])):
+        monkeypatch.setattr(sampler.torch, "rand", lambda n, **kw: torch.full((n,), u, dtype=torch.float64))
+        assert sampler.draw_rows(probs, [None, None]).tolist() == want, u
+
+
+def test_a_min_p_of_zero_leaves_the_softmax_as_it_is():
+    # No pass at all: renormalising would move rows whose softmax sums to an ulp off one.
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0))
+    probs = target_probs(logits, [SamplingParams(temperature=1.0, min_p=0.0)] * 4)
+    assert torch.equal(probs, logits.softmax(-1))

@@ -295,10 +295,11 @@ def test_verify_accepts_p_equal_q_without_drawing():
 
 def test_verify_falls_back_to_the_target_row_when_the_residual_is_empty():
     # Rounding can leave max(0, p - q) all zero after a rejection (q >= p everywhere, q(t) > p(t)):
-    # the token then comes from p itself, never from a 0/0 row.
+    # the token then comes from p itself, never from a 0/0 row (whose draw is the last token, one
+    # that p never gives here).
     seq = _fake_seq(SamplingParams(temperature=1.0))
-    logits = torch.tensor([[0.5, 0.5], [0.5, 0.5]]).log()
-    q = torch.tensor([[0.5, 0.9]])
+    logits = torch.tensor([[0.5, 0.5, 0.0], [0.5, 0.5, 0.0]]).log()
+    q = torch.tensor([[0.5, 0.9, 0.1]])
     gen = torch.Generator().manual_seed(0)
     rejected = 0
     for _ in range(200):
