@@ -147,9 +147,9 @@ static void f32_rows(const void *p, int lo, int hi) {
  * 18.8 against 18.7, and the vocabulary's 4.3 against 3.4) and from 4 with 256-bit vectors (an
  * -march=haswell build here: 4 rows 18.4 against 26.9, 3 rows 19.9 against 21.4, 2 rows 19.8
  * against 15.0): OUTER_MIN_ROWS, below. 17-24 rows go as one strip of 24 rather than 16 and 8:
- * each weight broadcast once per k instead of twice, the 30 layers' products 2-7% faster in four
- * alternating runs (17, 20 and 24 rows; 2026-11-27, the same bits); one strip of 40 was 1-12%
- * slower than 32 and 8. */
+ * each weight broadcast once per k instead of twice, the 30 layers' products 2-7% faster in
+ * alternating runs (24 rows four times, 17 and 20 twice; 2026-11-27, the same bits); one strip of
+ * 40 was 9-12% slower than 32 and 8 (two runs). */
 /* Weight rows of a block and the widest strip, so that a block x strip's sums fit the registers:
  * 8 x 48 rows = 24 of AVX-512's 32; with 16 vector registers (AVX2, AVX-VNNI: 256 bits) or NEON's
  * 32 of 128 bits, 6 x 16 rows (12 or 24). 8 x 48 there spilled sums to the stack in the inner loop:
