@@ -669,7 +669,7 @@ def test_a_preempted_decode_gives_back_no_prompt_seconds():
     assert plan.items[1].num_tokens == 20 and 28 <= plan.items[2].num_tokens <= 31
 
 
-def test_beside_a_full_vector_path_of_decodes_a_prompt_still_moves_one_token_a_step():
+def test_beside_48_decodes_the_fast_rows_are_full_and_a_prompt_still_moves_one_token():
     cost = _learned(1e-3, 0.0, 0.025, CPU_ROWS)
     sched = make_scheduler(BlockManager(128, 16, prefix_cache=False), cost, max_num_seqs=64, chunk_size="auto")
     for i in range(48):
