@@ -272,3 +272,26 @@ def test_without_a_fixed_cost_the_budget_is_its_share_past_the_decode_step():
     assert cost.prompt_seconds(2.5) == pytest.approx(0.03)
     cost.fixed = lambda: 0.005                   # a small one comes out of the share
     assert cost.prompt_seconds(2.5) == pytest.approx(0.025)
+
+
+def test_the_decode_step_is_a_running_average_that_follows_the_machine():
+    cost = StepCost(pair_ratio=1e-3)
+    cost.record_decode(0.020)
+    assert cost.decode_s == 0.020                             # the first step as it is
+    cost.record_decode(0.040)
+    assert cost.decode_s == pytest.approx(0.9 * 0.020 + 0.1 * 0.040)     # then weighed in, not taken
+
+
+def test_before_any_decode_step_a_step_is_predicted_as_its_prompt_work_alone():
+    cost = StepCost(pair_ratio=1e-3)
+    assert cost.decode_s is None
+    assert cost.step_seconds(0.25) == 0.25
+
+
+def test_a_slice_step_widens_the_cap_by_its_rows_and_only_a_step_with_prompt_tokens_counts():
+    cost = StepCost(pair_ratio=1e-3, fast_rows=FastRows(48, 16))
+    assert [cost.slice_rows_cap(rows) for rows in (0, 1, 30)] == [32, 32, 46]    # nothing measured yet
+    cost.record_prefill(0, 0, True, 0.02, other_rows=1)       # no prompt tokens: nothing learned
+    assert cost.slice_rows_cap(1) == 32 and cost.coefficients() == StepCost(1e-3, FastRows(48, 16)).coefficients()
+    cost.record_prefill(1, attention_pairs(40, 1), True, 0.03, other_rows=20)    # one token beside 20 decodes
+    assert cost.slice_rows_cap(1) == 42                        # twice the 21 rows of that step
