@@ -295,3 +295,13 @@ def test_a_slice_step_widens_the_cap_by_its_rows_and_only_a_step_with_prompt_tok
     assert cost.slice_rows_cap(1) == 32 and cost.coefficients() == StepCost(1e-3, FastRows(48, 16)).coefficients()
     cost.record_prefill(1, attention_pairs(40, 1), True, 0.03, other_rows=20)    # one token beside 20 decodes
     assert cost.slice_rows_cap(1) == 42                        # twice the 21 rows of that step
+
+
+def test_no_time_or_less_than_the_first_vector_costs_fits_no_tokens():
+    cost = _vector_machine(1e-3, 0.0, 0.025)               # 15 tokens beside a decode: ~15 ms
+    assert cost.tokens_within(0.0, 0, other_rows=1) == 0
+    assert cost.tokens_within(0.010, 0, other_rows=1) == 0
+    assert cost.tokens_within(0.016, 0, other_rows=1) == 15
+    rows_by_any = StepCost(pair_ratio=1e-3)
+    rows_by_any.record_decode(0.025)
+    assert rows_by_any.tokens_within(0.0, 0) == 0 and rows_by_any.tokens_within(-1.0, 0) == 0
