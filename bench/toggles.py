@@ -179,7 +179,7 @@ def _warm_up(engine: Engine) -> None:
     engine.generate(["warm-up"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
 
 
-def batching(engine: Engine, n: int, rounds: int = 1) -> dict[str, Any]:
+def batching(engine: Engine, n: int, rounds: int) -> dict[str, Any]:
     """One row per weight precision the engine can run (the goal is fp32's): medians of `rounds`
     rounds of 1 and then `n` requests, the ratio the median of each round's own. One stream is
     bound by memory and `n` by arithmetic, and a shared VM can speed up one and slow the other for

@@ -270,11 +270,8 @@ static void outer_rows(const void *p, int lo, int hi) {
         if (left == 48 && outer_narrow_48)
             for (; m0 < j->MP; m0 += 16) outer_strip_16(j, w, n0, nw, m0);
         else if (left == 48) outer_strip_48(j, w, n0, nw, m0);
-        else {            /* 8 to 40 rows: one of 24, else strips of 32, 16 and 8 as they fit */
-            if (left == 24) {   /* one strip: see the note on strips above */
-                outer_strip_24(j, w, n0, nw, m0);
-                continue;
-            }
+        else if (left == 24) outer_strip_24(j, w, n0, nw, m0);     /* one strip: see the note above */
+        else {            /* 8 to 40 rows: strips of 32, 16 and 8 as they fit */
             if (left >= 32) {
                 outer_strip_32(j, w, n0, nw, m0);
                 m0 += 32, left -= 32;
