@@ -23,8 +23,9 @@ def rand(*shape: int, seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize("rows", [1, 3, 6, 8, 9, 24, 40, cpu.LINEAR_MAX_ROWS])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_matches_reference(ops, rows, bias):
-    x, w = rand(rows, 192), rand(81, 192, seed=1)      # an odd row count: the last one unpaired
+@pytest.mark.parametrize("width", [192, 197])     # 197: the transposition's k past its blocks of 8
+def test_linear_matches_reference(ops, rows, bias, width):
+    x, w = rand(rows, width), rand(81, width, seed=1)      # an odd row count: the last one unpaired
     b = rand(81, seed=2) if bias else None
     torch.testing.assert_close(ops.linear(x, w, b), reference.linear(x, w, b), **TOL)
 
