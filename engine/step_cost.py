@@ -121,7 +121,6 @@ class Coefficients(NamedTuple):
 
 class StepCost:
     def __init__(self, pair_ratio: float, fast_rows: "FastRows | None" = None):
-        self.pair_ratio = pair_ratio
         # The kernels' fast path (a CPU's one-call forward): the scheduler keeps a time-budgeted
         # slice within its rows, and this model charges a slice's rows by its vectors.
         self.fast_rows = fast_rows

@@ -57,6 +57,7 @@ MODULES = {
     "engine/spec.py": "pdchat.engine.spec",
     "engine/block_manager.py": "pdchat.engine.block_manager",
     "engine/scheduler.py": "pdchat.engine.scheduler",
+    "engine/step_cost.py": "pdchat.engine.step_cost",
     "chatapp/serve/errors.py": "pdchat.chatapp.serve.errors",
 }
 PACKAGES = {"engine": "pdchat/engine", "bench": "pdchat/bench", "kernels": "pdchat/kernels", "chatapp": "pdchat/chatapp",
@@ -72,6 +73,7 @@ TESTS = [
     "tests/engine/test_preemption.py",
     "tests/engine/test_fault_isolation.py",
     "tests/engine/test_lossless.py",
+    "tests/engine/test_step_cost.py",
     "tests/chatapp/test_server_errors.py",
 ]
 DESELECT = "not default_model"

@@ -6,7 +6,8 @@ from typing import Callable
 import pytest
 
 from pdchat.engine.model_config import ModelConfig
-from pdchat.engine.step_cost import StepCost, attention_pairs, charged_tokens, pair_flops_ratio, vector_split
+from pdchat.engine.step_cost import (Coefficients, StepCost, attention_pairs, charged_tokens, pair_flops_ratio,
+                                      vector_split)
 from pdchat.kernels import FastRows
 
 
@@ -108,11 +109,11 @@ def test_each_vector_of_a_step_has_its_own_price_and_one_never_measured_is_price
     assert 31 / (decode + truth(0, 31)) > 47 / (decode + truth(0, 47))
 
 
-def test_a_first_vector_fitted_free_still_leaves_the_next_vectors_charged():
-    # Late one-vector slices that cost less than their pairs say (the decode step they are
-    # measured against was slower) fit the first vector at zero: a second vector must still be
-    # paid for (it once was not, and 18-27-token slices were planned at 80-109 ms against 64).
-    per_pair, own, decode = 1e-6, 1.2e-3, 0.02
+def _first_vector_free(per_pair: float) -> StepCost:
+    """A cost model that has fitted the first vector at zero: two two-vector slices (the second
+    vector 1.2 ms a token), then late one-vector slices that cost less than their pairs say (the
+    decode step they are measured against was slower), the attention timed at `per_pair` a pair."""
+    own, decode = 1.2e-3, 0.02
     cost = StepCost(pair_ratio=per_pair / own, fast_rows=FastRows(48, 16))
     cost.record_decode(decode)
     for start in (0, 31):
@@ -121,6 +122,14 @@ def test_a_first_vector_fitted_free_still_leaves_the_next_vectors_charged():
     for start in range(1000, 1500, 15):
         pairs = attention_pairs(start, 15)
         cost.record_prefill(15, pairs, True, decode + per_pair * pairs - 0.0005, 1, per_pair * pairs)
+    return cost
+
+
+def test_a_first_vector_fitted_free_still_leaves_the_next_vectors_charged():
+    # A second vector must still be paid for where the first is fitted at zero (it once was
+    # not, and 18-27-token slices were planned at 80-109 ms against 64).
+    per_pair = 1e-6
+    cost = _first_vector_free(per_pair)
     assert cost.coefficients().token == 0.0
     budget = per_pair * attention_pairs(1500, 20)          # the pairs of 20 tokens, not a vector's worth
     assert cost.tokens_within(budget, 1500, other_rows=1) == 15
@@ -305,3 +314,158 @@ def test_no_time_or_less_than_the_first_vector_costs_fits_no_tokens():
     rows_by_any = StepCost(pair_ratio=1e-3)
     rows_by_any.record_decode(0.025)
     assert rows_by_any.tokens_within(0.0, 0) == 0 and rows_by_any.tokens_within(-1.0, 0) == 0
+
+
+def test_attention_pairs_are_an_exact_integer_count():
+    """A step's pairs are summed into its plan's prompt_pairs (an int) and fed to the fit: a count,
+    exact however long the context, not a float that rounds past 2**53."""
+    assert isinstance(attention_pairs(7, 5), int) and attention_pairs(7, 5) == 5 * 7 + 15
+
+
+def test_a_split_has_a_count_for_every_vector_whatever_the_granule():
+    """vector_split gives one count per vector: where rows go by any count all in the first (the
+    others zero, not missing); with vectors of two rows as with 16, the decodes' vector first; and
+    rows past the last vector counted as the last's, not as another's."""
+    assert vector_split(20, 3, 1, 3) == (20, 0, 0)
+    # a decode and 3 tokens: 4 rows, two vectors; the decode's holds one token, the next two
+    assert vector_split(3, 1, 2, 3) == (1, 2, 0)
+    # 60 tokens beside a decode: 61 rows, charged as 64, the last 16 past the third vector
+    assert vector_split(60, 1, 16, 3) == (15, 16, 16 + 16)
+
+
+def test_a_whole_prompt_is_charged_in_the_first_vector_with_a_count_for_each_other():
+    """A prompt run whole (not beside decodes) is charged by its tokens, all in the first vector,
+    and zero in each of the others: the fit lines the counts up with its columns, the pairs last."""
+    assert StepCost(pair_ratio=1e-3, fast_rows=FastRows(48, 16)).charged(100, 0, decoded=False) == (100, 0, 0)
+    assert StepCost(pair_ratio=1e-3).charged(100, 0, decoded=False) == (100,)
+
+
+def test_before_any_decode_step_the_budget_share_is_the_fixed_cost_alone():
+    """With no decode step measured, the budget (a multiple of it) leaves prompt work nothing past
+    the fixed cost, which may be paid again as ever."""
+    cost = StepCost(pair_ratio=1e-3)
+    assert cost.prompt_seconds(2.5) == 0.0
+    cost.fixed = lambda: 0.010
+    assert cost.prompt_seconds(2.5) == pytest.approx(0.010)
+
+
+def test_where_rows_go_by_any_count_a_budget_fits_the_most_tokens_it_can():
+    """Without vectors, tokens_within is the most tokens whose predicted cost (prefill_seconds) is
+    within the budget: early and late in a prompt, a few tokens and thousands (where each one's
+    pairs cost more than its own price), and none where not one fits. Each budget lies halfway
+    between n tokens' cost and n + 1's."""
+    cost = StepCost(pair_ratio=2e-3)
+    cost.record_decode(0.02)
+    for start, n in ((0, 64), (64, 200), (264, 30), (294, 500)):
+        pairs = attention_pairs(start, n)
+        cost.record_prefill(n, pairs, True, 0.02 + 1e-3 * n + 2e-6 * pairs)
+    for start in (0, 40, 3000):
+        for n in (0, 1, 2, 7, 120, 900, 2500):
+            budget = (cost.prefill_seconds(start, n) + cost.prefill_seconds(start, n + 1)) / 2
+            assert cost.tokens_within(budget, start) == n, (start, n)
+
+
+def test_a_budget_of_a_slices_predicted_cost_fits_that_slice():
+    """What tokens_within plans and what prefill_seconds predicts agree: a budget of n tokens'
+    predicted cost (and half a pair, against rounding) fits those n, from one token late in a long
+    prompt to three vectors early. (A step whose other work is long: the fullest slice that fits
+    is also the fastest.)"""
+    cost = _vector_machine(1e-3, 1e-6, 0.025)
+    half_pair = cost.coefficients().pair / 2
+    for start in (0, 300, 1500, 10000):
+        for n in (1, 5, 15, 20, 31, 40, 47):
+            budget = cost.prefill_seconds(start, n, other_rows=1) + half_pair
+            assert cost.tokens_within(budget, start, other_rows=1, floor_s=10.0) == n, (start, n)
+    # Attention free: a budget of exactly k whole vectors' cost fits them (no room left is room enough).
+    free = _vector_machine(1e-3, 0.0, 0.025)
+    for n in (15, 31, 47):
+        assert free.tokens_within(free.prefill_seconds(0, n, other_rows=1), 0, other_rows=1) == n
+
+
+def test_slices_do_not_depend_on_the_unit_of_time():
+    """A machine a thousand times slower (a large model on a small CPU: a second a token, fewer
+    than one prompt token a second of the whole step) given a thousand times the budget plans the
+    same slices as the default one: whole vectors early in a prompt, a part-full one at 300, one
+    vector at 1,500, and at 10,000 (a token's pairs 10 ms) the two tokens whose pairs fit what the
+    first vector leaves of 40 ms."""
+    fast, slow = _vector_machine(1e-3, 1e-6, 0.025), _vector_machine(1.0, 1e-3, 25.0)
+    for start, seconds, n in ((0, 0.052, 47), (300, 0.040, 28), (1500, 0.060, 15), (10000, 0.040, 2)):
+        assert fast.tokens_within(seconds, start, other_rows=1) == n
+        assert slow.tokens_within(1000 * seconds, start, other_rows=1) == n
+
+
+def test_the_fit_is_solved_once_per_measurement_and_again_for_a_new_prior():
+    """The scheduler asks for predictions many times a step: the coefficients are solved when a
+    measurement or the prior (a decode step's sixteenth) changes, not on each question."""
+    cost = StepCost(pair_ratio=1e-3, fast_rows=FastRows(48, 16))
+    cost.record_decode(0.016)
+    first = cost.coefficients()
+    assert first.token == pytest.approx(0.001)              # nothing measured: the prior
+    assert cost.coefficients() is first
+    for _ in range(10):
+        cost.record_decode(0.032)
+    assert cost.coefficients().token == pytest.approx(cost.decode_s / 16)
+    again = cost.coefficients()
+    cost.record_prefill(15, attention_pairs(0, 15), True, cost.decode_s + 0.02, 1)
+    assert cost.coefficients() is not again
+    assert cost.coefficients().token == pytest.approx(0.02 / 15, rel=0.01)     # the measurement, not the prior
+
+
+def test_a_timed_attention_prices_the_pairs_from_the_first_pair():
+    """Where the kernels time the attention, the pair's price is that time over the pairs from the
+    first timed step on, even a one-token slice at the start of a prompt (a single pair), whatever
+    the step took besides."""
+    cost = StepCost(pair_ratio=1e-3, fast_rows=FastRows(48, 16))
+    cost.record_decode(0.02)
+    cost.record_prefill(1, attention_pairs(0, 1), True, 0.02 + 0.004, 1, attention_s=3e-6)
+    assert cost.coefficients().pair == pytest.approx(3e-6)
+
+
+def test_nothing_fits_a_budget_below_a_tokens_pairs_even_in_a_step_that_costs_nothing_else():
+    """With the first vector fitted free and nothing else in the step (floor 0), a budget below
+    one token's pairs plans no tokens: 0 tokens a second, not 0 / 0."""
+    per_pair = 1e-6
+    cost = _first_vector_free(per_pair)
+    assert cost.coefficients().token == 0.0
+    assert cost.tokens_within(per_pair * 1000, 1500, other_rows=1, floor_s=0.0) == 0
+    assert cost.tokens_within(per_pair * 1600, 1500, other_rows=1, floor_s=0.0) == 1
+
+
+def _priced(vectors, pair: float, decode: float, fast_rows: FastRows = FastRows(48, 16)) -> StepCost:
+    """A cost model whose decode step measured `decode` and whose prices are given, not fitted
+    (as a fit may hold some at zero): what tokens_within makes of them."""
+    cost = StepCost(pair_ratio=1e-3, fast_rows=fast_rows)
+    cost.record_decode(decode)
+    prices = Coefficients(tuple(vectors), pair)
+    cost.coefficients = lambda decoded=True: prices
+    return cost
+
+
+U = 2.0 ** -10        # about a millisecond, exact in binary: ties below are exact
+
+
+def test_of_two_widths_that_prefill_alike_the_shorter_is_planned():
+    """A decode step of 15u and vectors of u, 2u and 4u a token make 15 tokens beside a decode
+    (30u) and 31 (62u) equally fast: 2u a token of the whole step, and the third vector past the
+    budget. Without attention costs, a tie: the shorter slice, its step ends sooner; with them,
+    the 31's later tokens see more keys, and the 15 is faster."""
+    for pair in (0.0, 1e-6):
+        cost = _priced((U, 2 * U, 4 * U), pair, 15 * U)
+        assert cost.tokens_within(0.070, 0, other_rows=1) == 15
+        assert cost.prefill_seconds(0, 31, other_rows=1) <= 0.070 < cost.prefill_seconds(0, 32, other_rows=1)
+
+
+def test_no_time_fits_no_tokens_even_where_the_tokens_are_priced_at_nothing():
+    """A budget of 0 plans nothing, even where the vectors past the decodes' and the attention
+    are priced at nothing (16 decodes fill the first vector), so that any budget at all fits both."""
+    cost = _priced((U, 0.0, 0.0), 0.0, 15 * U)
+    assert cost.tokens_within(0.0, 0, other_rows=16) == 0
+    assert cost.tokens_within(1e-9, 0, other_rows=16) == 32
+
+
+def test_with_vectors_of_two_rows_a_slice_still_ends_where_a_vector_ends():
+    """Vectors of 2 rows (a decode and 3 tokens: 2 vectors; 4 tokens: 5 rows, 3 vectors, 5 tokens
+    charged): a budget of 4.5 tokens' price plans 3, not the 4 that the price per token alone allows."""
+    cost = _priced((U,) * 4, 0.0, 15 * U, FastRows(8, 2))
+    assert cost.tokens_within(4.5 * U, 0, other_rows=1) == 3
+    assert cost.prefill_seconds(0, 3, other_rows=1) <= 4.5 * U < cost.prefill_seconds(0, 4, other_rows=1)
