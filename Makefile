@@ -40,7 +40,7 @@ gpu-check:
 
 # Mutation testing of the critical modules (sampler, spec, block manager, scheduler, server errors):
 # tools/mutation.py stages a pdchat/ copy under build/mutation, runs mutmut with one worker and
-# writes build/mutation/report.md (docs/mutation.md). Not part of `make test`: 15 minutes on 2 cores
+# writes build/mutation/report.md (docs/mutation.md). Not part of `make test`: 18 minutes on 2 cores
 # with MUTATION_ARGS="--workers 2" (measured), longer with the default single worker.
 MUTMUT_VERSION ?= 3.8.1
 mutation: venv

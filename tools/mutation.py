@@ -23,7 +23,7 @@ What it does:
 
 Exit status: 0 when the kill rate reaches --min-rate (90 %) and every survivor is explained.
 
-    python tools/mutation.py                 # full run (15 min with --workers 2 on 2 cores)
+    python tools/mutation.py                 # full run (18 min with --workers 2 on 2 cores)
     python tools/mutation.py --report-only   # rebuild the report from the last run
     python tools/mutation.py --resume [--workers 2]   # go on with an interrupted run
     python tools/mutation.py --rerun NAME..  # re-sync tests/ into the last stage, re-run mutants
