@@ -1652,28 +1652,18 @@ static inline void score_keys(const float *kr, size_t row, int nk, int D, const 
     }
 }
 
-/* Online softmax over one tile, per row: keys past a row's position (lim) count for nothing;
- * sc becomes the weights, m and l the running max and sum, alpha what the sums so far scale by.
- * Rows go in position order, so where the first row sees all nk keys every row does, and the
- * tile takes them unmasked (padding rows too: their sums are never written out): all but a
- * slice's last tile or two of keys, 6-7% off its attention (15 queries over 1,500 keys, 30
- * layers, 2-core AMD EPYC, 2026-11-27; the same bits). */
-static inline void softmax_keys(float sc[TK][TR], int nk, int j0, const float *lim, float *m, float *l,
-                                float *alpha) {
+/* Online softmax over one tile, per row: keys past a row's position (lim) count for nothing
+ * where `masked`; sc becomes the weights, m and l the running max and sum, alpha what the sums so
+ * far scale by. (Inlined with `masked` a constant: each caller gets a loop without the test.) */
+static inline __attribute__((always_inline)) void softmax_pass(float sc[TK][TR], int nk, int j0, const float *lim,
+                                                               float *m, float *l, float *alpha, const int masked) {
     float mt[TR];
-    int all_see = j0 + nk - 1 <= lim[0];
 #pragma omp simd
     for (int r = 0; r < TR; r++) mt[r] = m[r];
-    if (all_see) {
-        for (int j = 0; j < nk; j++)
+    for (int j = 0; j < nk; j++) {
+        float kp = (float)(j0 + j);
 #pragma omp simd
-            for (int r = 0; r < TR; r++) mt[r] = max_f(mt[r], sc[j][r]);
-    } else {
-        for (int j = 0; j < nk; j++) {
-            float kp = (float)(j0 + j);
-#pragma omp simd
-            for (int r = 0; r < TR; r++) mt[r] = kp <= lim[r] ? max_f(mt[r], sc[j][r]) : mt[r];
-        }
+        for (int r = 0; r < TR; r++) mt[r] = !masked || kp <= lim[r] ? max_f(mt[r], sc[j][r]) : mt[r];
     }
 #pragma omp simd
     for (int r = 0; r < TR; r++) {
@@ -1681,24 +1671,24 @@ static inline void softmax_keys(float sc[TK][TR], int nk, int j0, const float *l
         l[r] *= alpha[r];
         m[r] = mt[r];
     }
-    if (all_see) {
-        for (int j = 0; j < nk; j++) {
-#pragma omp simd
-            for (int r = 0; r < TR; r++) {
-                sc[j][r] = exp_fast(sc[j][r] - m[r]);
-                l[r] += sc[j][r];
-            }
-        }
-        return;
-    }
     for (int j = 0; j < nk; j++) {
         float kp = (float)(j0 + j);
 #pragma omp simd
         for (int r = 0; r < TR; r++) {
-            sc[j][r] = kp <= lim[r] ? exp_fast(sc[j][r] - m[r]) : 0.f;
+            sc[j][r] = !masked || kp <= lim[r] ? exp_fast(sc[j][r] - m[r]) : 0.f;
             l[r] += sc[j][r];
         }
     }
+}
+
+/* Rows go in position order, so where the first row sees all nk keys every row does, and the tile
+ * takes them unmasked (padding rows too: their sums are never written out): all but a slice's last
+ * tile or two of keys, 6-7% off its attention (15 queries over 1,500 keys, 30 layers, 2-core AMD
+ * EPYC, 2026-11-27; the same bits). */
+static inline void softmax_keys(float sc[TK][TR], int nk, int j0, const float *lim, float *m, float *l,
+                                float *alpha) {
+    if (j0 + nk - 1 <= lim[0]) softmax_pass(sc, nk, j0, lim, m, l, alpha, 0);
+    else softmax_pass(sc, nk, j0, lim, m, l, alpha, 1);
 }
 
 /* ot[d] = ot[d] * scale + sum over the tile's keys of V[j][d] * p[j], for all rows at once. */
