@@ -51,11 +51,8 @@
 
 #if PDCHAT_INT8_PATH == PD_INT8_NEON_DOT
 #include <arm_neon.h>
-#elif PDCHAT_INT8_PATH != PD_INT8_PORTABLE
-#include <immintrin.h>
-#endif
-#ifdef __AVX__
-#include <immintrin.h>      /* (also for the fp32 products' transposition: transpose_rows) */
+#elif PDCHAT_INT8_PATH != PD_INT8_PORTABLE || defined(__AVX__)
+#include <immintrin.h>      /* the x86 int8 paths, and the fp32 products' transposition (transpose_rows) */
 #endif
 
 /* The u8-by-s8 dot products (VNNI's dpbusd, and the portable loop) see the weights as stored,
