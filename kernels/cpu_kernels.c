@@ -1681,7 +1681,7 @@ static inline __attribute__((always_inline)) void softmax_pass(float sc[TK][TR],
 /* Rows go in position order, so where the first row sees all nk keys every row does, and the tile
  * takes them unmasked (padding rows too: their sums are never written out): all but a slice's last
  * tile or two of keys, 2-8% off its attention (15 queries over 1,500 keys, 30 layers, 2-core AMD
- * EPYC, 2026-11-27: 8% with one layer's caches in cache, 2-7% read from memory, in alternating
+ * EPYC, 2026-11-27: 5-8% with one layer's caches in cache, 2-7% read from memory, in alternating
  * runs; the same bits). */
 static inline void softmax_keys(float sc[TK][TR], int nk, int j0, const float *lim, float *m, float *l,
                                 float *alpha) {
