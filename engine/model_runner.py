@@ -1,6 +1,7 @@
 """Turns a step plan into one flat varlen forward over the paged KV cache, and returns logits."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -232,18 +233,18 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             qlens.append(len(item.tokens))
             clens.append(end)
+        # Two host tensors, the fields views of them: a tensor per field and one per block table
+        # took 0.29 ms of a 6.4 ms decode step with int8 weights, these 0.14 (2-core AMD EPYC,
+        # 2026-11-27; the step 1-4 % faster in alternating runs).
+        T, S = len(ids), len(items)
         max_blocks = max(len(i.block_table) for i in items)
-        tables = torch.zeros(len(items), max_blocks, dtype=torch.int32)
-        for i, item in enumerate(items):
-            tables[i, :len(item.block_table)] = torch.tensor(item.block_table, dtype=torch.int32)
-        dev = self.device
-        input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
-        pos = torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True)
-        slot_mapping = torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True)
-        block_tables = tables.to(dev, non_blocking=True)
-        qsl = torch.tensor([0] + qlens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(dev, non_blocking=True)
-        context_lens = torch.tensor(clens, dtype=torch.int32).to(dev, non_blocking=True)
-        batch = AttentionBatch(self.k_cache, self.v_cache, slot_mapping, block_tables, qsl, context_lens, qlens,
-                               clens, self.scale)
-        hidden = self.model(input_ids, pos, batch, on_layer)
-        return self.model.logits(hidden[torch.tensor(want, dtype=torch.long, device=dev)])
+        longs = torch.tensor(ids + positions + slots, dtype=torch.long).to(self.device, non_blocking=True)
+        ints = torch.tensor(list(itertools.accumulate(qlens, initial=0)) + clens
+                            + [b for i in items for b in i.block_table + [0] * (max_blocks - len(i.block_table))],
+                            dtype=torch.int32).to(self.device, non_blocking=True)
+        batch = AttentionBatch(self.k_cache, self.v_cache, longs[2 * T:], ints[2 * S + 1:].view(S, max_blocks),
+                               ints[:S + 1], ints[S + 1:2 * S + 1], qlens, clens, self.scale)
+        hidden = self.model(longs[:T], longs[T:2 * T], batch, on_layer)
+        if want != list(range(T)):        # (a decode step wants every row, in order)
+            hidden = hidden[torch.tensor(want, dtype=torch.long, device=self.device)]
+        return self.model.logits(hidden)
