@@ -1232,7 +1232,7 @@ static inline void tile_done(const struct vnni_outer_job *j, const fvec *f, int 
             for (int r = 0; r < R; r++)                                                            \
                 for (int v = 0; v < V; v++) ih[r][v] = il[r][v] = I_ZERO();                        \
             for (int i = WORDS(b * QBLOCK); i < WORDS((b + 1) * QBLOCK); i++) {                    \
-                if (V == 1 && (i & 15) == 0)                                                     \
+                if (V == 1 && (i & 15) == 0 && n0 + 2 * R <= j->N)                               \
                     for (int r = 0; r < R; r++) __builtin_prefetch(w + (int64_t)(R + r) * K + 4 * i, 0, 1); \
                 ivec xh[V], xl[V];                                                                 \
                 for (int v = 0; v < V; v++) {                                                      \
