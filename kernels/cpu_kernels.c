@@ -202,7 +202,8 @@ static void unpack_u8_row(const uint8_t *wr, float scale, float *out, int K) {
  * the partial block's sums unfused in 8-row strips). The next block is fetched into L2, not L1:
  * there it pushed out the block and the strip in use, and the default model's 30 layers of
  * products took 14-21% longer at 8 rows and 8-10% at 16 (2-core AMD EPYC, 2026-11-27, alternating
- * runs; 24-48 rows within the noise, -5% to +1.5%). */
+ * runs; 24-48 rows within the noise, -5% to +1.5%; an -march=haswell build here, 6-row blocks,
+ * 4-12% longer at 4-32 rows). */
 #define OUTER_STRIP(SW)                                                                          \
     static void outer_strip_##SW(const struct outer_job *j, const float *w, int n0, int nw, int m0) { \
         float acc[OUTER_W][SW];                                                                  \
