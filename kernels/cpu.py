@@ -197,13 +197,18 @@ def library(cache_dir: Path, int8: str | None = None) -> ctypes.CDLL:
     if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
         raise KernelsUnavailable(f"no CPU kernels for {platform.machine()}")
     try:
-        lib = ctypes.CDLL(str(build(cache_dir, int8)))
+        lib = bind(ctypes.CDLL(str(build(cache_dir, int8))))
     except OSError as e:
         raise KernelsUnavailable(f"loading the CPU kernels failed: {e}") from e
+    lib.pd_outer_choose()       # how this CPU takes 48 rows (~12 ms; the same sums either way)
+    return lib
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """A build of the kernels with each function's argument and result types set."""
     for name, (args, res) in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
-    lib.pd_outer_choose()       # how this CPU takes 48 rows (~12 ms; the same sums either way)
     return lib
 
 

@@ -2,6 +2,7 @@
 conftest.py), on the strided views and ragged batches the engine feeds them."""
 from __future__ import annotations
 
+import ctypes
 import platform
 import shutil
 import subprocess
@@ -562,6 +563,36 @@ def test_a_forked_child_computes_without_the_parents_workers(ops):
         time.sleep(0.05)
     os.kill(pid, 9)
     raise AssertionError("the forked child hung in a product")
+
+
+def test_a_256_bit_x86_build_matches_reference_here_too(tmp_path):
+    """The kernels as an AVX2 machine builds them (16 vector registers of 256 bits: products by
+    blocks of 6 weight rows, attention tiles of 8 rows), built and run on this CPU where it has
+    AVX2 and FMA: the fixture's builds take this machine's own width."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or not {"avx2", "fma"} <= cpu.cpu_flags():
+        pytest.skip("a 256-bit x86 build: this CPU does not run AVX2 with FMA")
+    try:
+        cc = cpu.compiler()
+    except cpu.KernelsUnavailable as e:
+        pytest.skip(str(e))
+    out = tmp_path / "haswell.so"
+    done = subprocess.run([cc, *cpu.CODE_FLAGS, "-shared", "-fPIC", "-march=haswell", str(cpu.SOURCE),
+                           "-o", str(out), "-lm"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-1500:]
+    ops = cpu.CpuKernels(cpu.bind(ctypes.CDLL(str(out))))
+    for rows in (1, 4, 9, 24, 40):
+        x, w = rand(rows, 197, seed=rows), rand(93, 197, seed=100 + rows)
+        torch.testing.assert_close(ops.linear(x, w), reference.linear(x, w), **TOL)
+    for qlens, clens, kv_heads, group, head_dim in [
+        ([1, 3, 1, 2], [700, 301, 5, 129], 3, 3, 64),      # decodes and verifies: heads grouped
+        ([1], [1500], 1, 12, 128),                         # a group in parts, keys split over threads
+        ([37, 6, 1, 4], [300, 6, 50, 77], 2, 4, 40),       # tiles, a head size 8 divides but 16 does not
+        ([15], [1500], 3, 3, 64),                          # a slice beside a long prefix
+    ]:
+        batch = Batch(qlens, clens, kv_heads, group, head_dim, block_size=16, dtype=torch.float32, seed=3)
+        scale = head_dim ** -0.5
+        out = ops.paged_attention(*batch.args("cpu"), scale, query_lens_host=qlens, context_lens_host=clens)
+        torch.testing.assert_close(out, batch.expected(scale), **TOL)
 
 
 X86_TARGETS = {"avx2": ["-mavx2", "-mfma"], "avx-vnni": ["-mavx2", "-mfma", "-mavxvnni"],
