@@ -60,6 +60,13 @@
 #define PD_INT8_OFFSET (PDCHAT_INT8_PATH == PD_INT8_AVX512VNNI || PDCHAT_INT8_PATH == PD_INT8_AVXVNNI || \
                         PDCHAT_INT8_PATH == PD_INT8_PORTABLE)
 
+/* Where a prefetch puts its line (__builtin_prefetch's locality: prefetcht0 and prefetcht2 on
+ * x86). Streams read from memory a good way ahead go to L2: fetched into L1 they pushed out what
+ * was in use or held up the loads they ran ahead of (each site says what it measured); a row needed
+ * within a few hundred cycles goes to L1. */
+#define INTO_L1 3
+#define INTO_L2 1
+
 /* Products, attention and (for prefill-sized runs) the elementwise kernels run on the spinning
  * pool of cpu_pool.h: OpenMP's workers sleep between parallel regions and took tens of
  * microseconds to wake (splitting every product with OpenMP made a decode step 1.4x slower). */
@@ -216,7 +223,7 @@ static void unpack_u8_row(const uint8_t *wr, float scale, float *out, int K) {
             for (int k = 0; k < K; k++) {                                                        \
                 const float *xk = xt + (int64_t)k * MP;                                          \
                 if (!j->u8 && m0 == 0 && (k & 15) == 0 && n0 + 2 * OUTER_W <= j->N)             \
-                    for (int r = 0; r < OUTER_W; r++) __builtin_prefetch(ahead + (int64_t)r * K + k, 0, 1); \
+                    for (int r = 0; r < OUTER_W; r++) __builtin_prefetch(ahead + (int64_t)r * K + k, 0, INTO_L2); \
                 for (int r = 0; r < OUTER_W; r++) {                                              \
                     float wr = w[(int64_t)r * K + k];                                            \
                     _Pragma("omp simd") for (int m = 0; m < SW; m++)                             \
@@ -566,7 +573,7 @@ static void u8_rows(const void *p, int lo, int hi) {
         const uint8_t *wr = j->w + (int64_t)n * j->K;
         float b = j->bias ? j->bias[n] : 0.f;
         if (n + U8_AHEAD < j->N)
-            for (int k = 0; k < j->K; k += 64) __builtin_prefetch(wr + (int64_t)U8_AHEAD * j->K + k, 0, 3);
+            for (int k = 0; k < j->K; k += 64) __builtin_prefetch(wr + (int64_t)U8_AHEAD * j->K + k, 0, INTO_L1);
         for (int m = 0; m < j->M; m++) {
             int64_t at = (int64_t)m * j->K;
             float acc = dot_u8_blocks(wr, j->hi + at, j->lo + at, j->xs + m * nb, nb);
@@ -808,7 +815,7 @@ static ALWAYS_INLINE void dot_q4_decode(const uint8_t *wr, const uint16_t *pr, i
         __m512i xl = _mm512_loadu_si512(x + g * Q4_GROUP), xh = _mm512_loadu_si512(x + g * Q4_GROUP + 4 * Q4_GROUP_BYTES);
         __m512 s = _mm512_loadu_ps(xs + Q4_XS(0, g)), z = _mm512_loadu_ps(xz + Q4_XS(0, g));
         for (int w = 0; w < W; w++) {
-            __builtin_prefetch(ahead + w * wstride + g * Q4_GROUP_BYTES, 0, 1);
+            __builtin_prefetch(ahead + w * wstride + g * Q4_GROUP_BYTES, 0, INTO_L2);
             __m512i p = _mm512_loadu_si512(wr + w * wstride + g * Q4_GROUP_BYTES);
             __m512i lo = _mm512_and_si512(p, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), nibble);
             __m512 dm = _mm512_castps256_ps512(q4_params8(pr + w * pstride + 2 * g));
@@ -877,7 +884,7 @@ static ALWAYS_INLINE void dot_q4_decode(const uint8_t *wr, const uint16_t *pr, i
         __m256i xhi = _mm256_loadu_si256((const __m256i *)(x + g * Q4_GROUP + 32));
         __m256 s = _mm256_loadu_ps(xs + Q4_XS(0, g)), z = _mm256_loadu_ps(xz + Q4_XS(0, g));
         for (int w = 0; w < W; w++) {
-            __builtin_prefetch(ahead + w * wstride + g * Q4_GROUP_BYTES, 0, 3);
+            __builtin_prefetch(ahead + w * wstride + g * Q4_GROUP_BYTES, 0, INTO_L1);
             __m256i p = _mm256_loadu_si256((const __m256i *)(wr + w * wstride + g * Q4_GROUP_BYTES));
             __m256i lo = _mm256_and_si256(p, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), nibble);
             __m256 dm = _mm256_castps128_ps256(q4_params4(pr + w * pstride + 2 * g));
@@ -1234,7 +1241,7 @@ static inline void tile_done(const struct vnni_outer_job *j, const fvec *f, int 
                 for (int v = 0; v < V; v++) ih[r][v] = il[r][v] = I_ZERO();                        \
             for (int i = WORDS(b * QBLOCK); i < WORDS((b + 1) * QBLOCK); i++) {                    \
                 if (V == 1 && (i & 15) == 0 && n0 + 2 * R <= j->N)                               \
-                    for (int r = 0; r < R; r++) __builtin_prefetch(w + (int64_t)(R + r) * K + 4 * i, 0, 1); \
+                    for (int r = 0; r < R; r++) __builtin_prefetch(w + (int64_t)(R + r) * K + 4 * i, 0, INTO_L2); \
                 ivec xh[V], xl[V];                                                                 \
                 for (int v = 0; v < V; v++) {                                                      \
                     xh[v] = I_LOAD(qh + ((int64_t)v * WORDS(K) + i) * OUTER_LANES);                \
@@ -1383,8 +1390,8 @@ static void q4_outer_unpack(const struct vnni_outer_job *j, const struct outer_c
         float *dr = dm + 2 * (n - c->n0) * (OUTER_KC / Q4_GROUP);
         if (n + 16 < c->n1) {
             for (int g = c->k0; g < c->k1; g += 64 / Q4_GROUP_BYTES)
-                __builtin_prefetch(wr + (int64_t)16 * (j->K / 2) + g * Q4_GROUP_BYTES, 0, 1);
-            __builtin_prefetch(pr + (int64_t)16 * 2 * ng + 2 * c->k0, 0, 1);
+                __builtin_prefetch(wr + (int64_t)16 * (j->K / 2) + g * Q4_GROUP_BYTES, 0, INTO_L2);
+            __builtin_prefetch(pr + (int64_t)16 * 2 * ng + 2 * c->k0, 0, INTO_L2);
         }
         for (int g = c->k0; g < c->k1; g++) {
             uint8_t *o = ur + (g - c->k0) * Q4_GROUP;
@@ -1638,8 +1645,8 @@ static inline float *result_row(const struct attention_job *job, int64_t at, int
 static inline void prefetch_key(const struct attention_job *job, const int32_t *table, size_t head, int j) {
     size_t at = ((size_t)table[j / job->bs] * job->bs + j % job->bs) * job->KVH * job->D + head;
     for (int d = 0; d < job->D; d += 16) {    /* (a 64-byte line) */
-        __builtin_prefetch(job->k_cache + at + d, 0, 1);
-        __builtin_prefetch(job->v_cache + at + d, 0, 1);
+        __builtin_prefetch(job->k_cache + at + d, 0, INTO_L2);
+        __builtin_prefetch(job->v_cache + at + d, 0, INTO_L2);
     }
 }
 
