@@ -349,6 +349,15 @@ def test_store_kv_skips_padding_slots_and_reads_strided_rows(ops):
     assert caches[2].view(-1, 2, 8)[1:5].abs().sum() == 0     # the skipped row wrote nothing
 
 
+def check_attention(ops, qlens: list[int], clens: list[int], kv_heads: int, group: int, head_dim: int,
+                    block_size: int, seed: int = 0) -> None:
+    """ops' paged attention over a ragged batch against the reference's."""
+    batch = Batch(qlens, clens, kv_heads, group, head_dim, block_size=block_size, dtype=torch.float32, seed=seed)
+    scale = head_dim ** -0.5
+    out = ops.paged_attention(*batch.args("cpu"), scale, query_lens_host=qlens, context_lens_host=clens)
+    torch.testing.assert_close(out, batch.expected(scale), **TOL)
+
+
 @pytest.mark.parametrize("qlens,clens", [
     ([1], [1]),                                     # first decode step
     ([1, 1, 1], [17, 3, 40]),                       # decode batch, ragged contexts
@@ -357,10 +366,7 @@ def test_store_kv_skips_padding_slots_and_reads_strided_rows(ops):
 ])
 @pytest.mark.parametrize("kv_heads,group,head_dim", [(2, 1, 16), (1, 4, 32), (3, 3, 64)])
 def test_paged_attention_matches_reference(ops, qlens, clens, kv_heads, group, head_dim):
-    batch = Batch(qlens, clens, kv_heads, group, head_dim, block_size=8, dtype=torch.float32)
-    scale = head_dim ** -0.5
-    out = ops.paged_attention(*batch.args("cpu"), scale, query_lens_host=qlens, context_lens_host=clens)
-    torch.testing.assert_close(out, batch.expected(scale), **TOL)
+    check_attention(ops, qlens, clens, kv_heads, group, head_dim, block_size=8)
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -369,11 +375,8 @@ def test_tiled_attention_over_full_key_tiles_matches_reference(ops, block_size, 
     # Blocks of 16 keys or more give the tile kernel full tiles (its unrolled path); a prefill
     # slice over a long cached prefix, a short prompt from scratch, a decode and a 4-query verify.
     qlens, clens = [37, 6, 1, 4], [300, 6, 50, 77]
-    batch = Batch(qlens, clens, kv_heads, group, head_dim, block_size=block_size, dtype=torch.float32)
-    scale = head_dim ** -0.5
     assert all(cpu.attention_in_c(n, c) for n, c in zip(qlens, clens))
-    out = ops.paged_attention(*batch.args("cpu"), scale, query_lens_host=qlens, context_lens_host=clens)
-    torch.testing.assert_close(out, batch.expected(scale), **TOL)
+    check_attention(ops, qlens, clens, kv_heads, group, head_dim, block_size=block_size)
 
 
 @pytest.mark.parametrize("kv_heads,group,head_dim", [
@@ -386,11 +389,7 @@ def test_tiled_attention_over_full_key_tiles_matches_reference(ops, block_size, 
 def test_decodes_and_short_verifies_over_long_contexts_match_reference(ops, kv_heads, group, head_dim):
     # Sequences of 1-3 queries go one (token, KV head) at a time over the whole context, keys
     # fetched ahead: contexts of many blocks, one ending mid-block, one shorter than a block.
-    qlens, clens = [1, 3, 1, 2, 1], [700, 301, 5, 129, 16]
-    batch = Batch(qlens, clens, kv_heads, group, head_dim, block_size=16, dtype=torch.float32, seed=7)
-    scale = head_dim ** -0.5
-    out = ops.paged_attention(*batch.args("cpu"), scale, query_lens_host=qlens, context_lens_host=clens)
-    torch.testing.assert_close(out, batch.expected(scale), **TOL)
+    check_attention(ops, [1, 3, 1, 2, 1], [700, 301, 5, 129, 16], kv_heads, group, head_dim, block_size=16, seed=7)
 
 
 @pytest.mark.parametrize("kv_heads,group,head_dim,context", [
@@ -565,19 +564,25 @@ def test_a_forked_child_computes_without_the_parents_workers(ops):
     raise AssertionError("the forked child hung in a product")
 
 
+def compile_kernels(out, *flags: str) -> subprocess.CompletedProcess:
+    """cpu_kernels.c built into `out` with the library's code flags and `flags`: the compiler's run
+    (its status and errors). Skips where there is no compiler."""
+    try:
+        cc = cpu.compiler()
+    except cpu.KernelsUnavailable as e:
+        pytest.skip(str(e))
+    return subprocess.run([cc, *cpu.CODE_FLAGS, "-shared", "-fPIC", *flags, str(cpu.SOURCE), "-o", str(out), "-lm"],
+                          capture_output=True, text=True, timeout=300)
+
+
 def test_a_256_bit_x86_build_matches_reference_here_too(tmp_path):
     """The kernels as an AVX2 machine builds them (16 vector registers of 256 bits: products by
     blocks of 6 weight rows, attention tiles of 8 rows), built and run on this CPU where it has
     AVX2 and FMA: the fixture's builds take this machine's own width."""
     if platform.machine().lower() not in ("x86_64", "amd64") or not {"avx2", "fma"} <= cpu.cpu_flags():
         pytest.skip("a 256-bit x86 build: this CPU does not run AVX2 with FMA")
-    try:
-        cc = cpu.compiler()
-    except cpu.KernelsUnavailable as e:
-        pytest.skip(str(e))
     out = tmp_path / "haswell.so"
-    done = subprocess.run([cc, *cpu.CODE_FLAGS, "-shared", "-fPIC", "-march=haswell", str(cpu.SOURCE),
-                           "-o", str(out), "-lm"], capture_output=True, text=True, timeout=300)
+    done = compile_kernels(out, "-march=haswell")
     assert done.returncode == 0, done.stderr[-1500:]
     ops = cpu.CpuKernels(cpu.bind(ctypes.CDLL(str(out))))
     for rows in (1, 4, 9, 24, 40):
@@ -589,10 +594,7 @@ def test_a_256_bit_x86_build_matches_reference_here_too(tmp_path):
         ([37, 6, 1, 4], [300, 6, 50, 77], 2, 4, 40),       # tiles, a head size 8 divides but 16 does not
         ([15], [1500], 3, 3, 64),                          # a slice beside a long prefix
     ]:
-        batch = Batch(qlens, clens, kv_heads, group, head_dim, block_size=16, dtype=torch.float32, seed=3)
-        scale = head_dim ** -0.5
-        out = ops.paged_attention(*batch.args("cpu"), scale, query_lens_host=qlens, context_lens_host=clens)
-        torch.testing.assert_close(out, batch.expected(scale), **TOL)
+        check_attention(ops, qlens, clens, kv_heads, group, head_dim, block_size=16, seed=3)
 
 
 X86_TARGETS = {"avx2": ["-mavx2", "-mfma"], "avx-vnni": ["-mavx2", "-mfma", "-mavxvnni"],
@@ -605,16 +607,10 @@ def test_every_x86_int8_path_compiles_even_where_this_cpu_cannot_run_it(tmp_path
     without them would stop on the first one."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("x86-64 paths: this is not an x86-64 machine")
-    try:
-        cc = cpu.compiler()
-    except cpu.KernelsUnavailable as e:
-        pytest.skip(str(e))
     out = tmp_path / f"{path}.so"
-    done = subprocess.run([cc, *cpu.CODE_FLAGS, "-shared", "-fPIC", "-march=x86-64", *X86_TARGETS[path],
-                           cpu.int8_define(path), str(cpu.SOURCE), "-o", str(out), "-lm"],
-                          capture_output=True, text=True, timeout=300)
+    done = compile_kernels(out, "-march=x86-64", *X86_TARGETS[path], cpu.int8_define(path))
     if done.returncode != 0 and ("unrecognized" in done.stderr or "unknown argument" in done.stderr):
-        pytest.skip(f"{cc} does not know {' '.join(X86_TARGETS[path])}")
+        pytest.skip(f"{done.args[0]} does not know {' '.join(X86_TARGETS[path])}")
     assert done.returncode == 0, done.stderr[-1500:]
     if shutil.which("objdump"):
         asm = subprocess.run(["objdump", "-d", str(out)], capture_output=True, text=True).stdout
