@@ -38,7 +38,7 @@ GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 gpu-check:
 	$(GPU_PYTHON) tools/gpu_check.py --out build/gpu-check $(GPU_CHECK_ARGS)
 
-# Mutation testing of the critical modules (sampler, spec, block manager, scheduler, server errors):
+# Mutation testing of the critical modules (sampler, spec, block manager, scheduler, step cost, server errors):
 # tools/mutation.py stages a pdchat/ copy under build/mutation, runs mutmut with one worker and
 # writes build/mutation/report.md (docs/mutation.md). Not part of `make test`: 18 minutes on 2 cores
 # with MUTATION_ARGS="--workers 2" (measured), longer with the default single worker.
