@@ -66,6 +66,10 @@
  * within a few hundred cycles goes to L1. */
 #define INTO_L1 3
 #define INTO_L2 1
+/* Inlined whatever the compiler's size heuristics say. A helper whose only effects are prefetches
+ * must be: GCC counts such a function pure and deletes calls to it that it has not inlined early
+ * (GCC 12 dropped every fetch-ahead of the slices' attention tiles that way). */
+#define INLINE static inline __attribute__((always_inline))
 
 /* Products, attention and (for prefill-sized runs) the elementwise kernels run on the spinning
  * pool of cpu_pool.h: OpenMP's workers sleep between parallel regions and took tens of
@@ -720,9 +724,9 @@ static void quantize_q4_blocks(const float *x, int M, int K, int8_t *q, float *x
 #if PDCHAT_INT8_PATH == PD_INT8_AVX512VNNI || PDCHAT_INT8_PATH == PD_INT8_AVXVNNI || PDCHAT_INT8_PATH == PD_INT8_AVX2
 #define Q4_DECODE_ROWS 4
 #endif
-/* Inlined into each call with a constant R: a call per weight row (the compiler's choice at R = 1)
- * cost a seventh of a decode step in spills and the return through memory. */
-#define ALWAYS_INLINE inline __attribute__((always_inline))
+/* The dot products below are INLINE, into each call with a constant R: a call per weight row (the
+ * compiler's choice at R = 1) cost a seventh of a decode step in spills and the return through
+ * memory. */
 #if PDCHAT_INT8_PATH == PD_INT8_AVX512VNNI || PDCHAT_INT8_PATH == PD_INT8_AVXVNNI || PDCHAT_INT8_PATH == PD_INT8_AVX2
 /* Groups' (d, m) pairs, bf16 to floats in order: the bf16 bits are a float's top half. */
 static inline __m256 q4_params8(const uint16_t *pr) {            /* four groups */
@@ -738,7 +742,7 @@ static inline __m128 q4_params4(const uint16_t *pr) {            /* two groups *
 #define Q4_BY_M _mm512_set_epi32(7, 7, 7, 7, 5, 5, 5, 5, 3, 3, 3, 3, 1, 1, 1, 1)
 
 /* The two groups left after the blocks of four (ng is even) as 64 bytes in order, one per lane */
-static ALWAYS_INLINE __m512i q4_tail_weights(const uint8_t *wg) {
+INLINE __m512i q4_tail_weights(const uint8_t *wg) {
     const __m256i nib = _mm256_set1_epi8(0x0f);
     __m256i p = _mm256_loadu_si256((const __m256i *)wg);
     __m256i lo = _mm256_and_si256(p, nib), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), nib);
@@ -748,7 +752,7 @@ static ALWAYS_INLINE __m512i q4_tail_weights(const uint8_t *wg) {
 
 /* Those two groups (u, their params pg) against one activation row's (xg, its scales s0 and s1,
  * offset factors z0 and z1): the products into f, the offset term returned. */
-static ALWAYS_INLINE float q4_tail_row(__m512i u, const uint16_t *pg, const int8_t *xg, float s0, float s1,
+INLINE float q4_tail_row(__m512i u, const uint16_t *pg, const int8_t *xg, float s0, float s1,
                                        float z0, float z1, __m512 *f) {
     __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(xg));
     /* insertf64x4, not insertf32x8: the latter is AVX-512 DQ, which this path does not require */
@@ -758,7 +762,7 @@ static ALWAYS_INLINE float q4_tail_row(__m512i u, const uint16_t *pg, const int8
     return (bf16_to_f32(pg[1]) * z0 + bf16_to_f32(pg[3]) * z1) * (float)Q4_XS_LANES;
 }
 
-static ALWAYS_INLINE void dot_q4_rows(const uint8_t *wr, const uint16_t *pr, const int8_t *x, const float *xs,
+INLINE void dot_q4_rows(const uint8_t *wr, const uint16_t *pr, const int8_t *x, const float *xs,
                                       const float *xz, int ng, int K, int R, float *out) {
     const __m512i nibble = _mm512_set1_epi8(0x0f);
     __m512 f[Q4_TILE];
@@ -800,7 +804,7 @@ static ALWAYS_INLINE void dot_q4_rows(const uint8_t *wr, const uint16_t *pr, con
  * model's int4 decode step 6-7% faster (2-core AMD EPYC, 2026-11-27, 12 alternating rounds twice;
  * the int8 rows' prefetch into L2 made int8's 3-4% slower, and the 256-bit form's, built here for
  * the AVX2 path, +3.5% and -0.4%: both stay in L1). */
-static ALWAYS_INLINE void dot_q4_decode(const uint8_t *wr, const uint16_t *pr, int64_t wstride, int64_t pstride,
+INLINE void dot_q4_decode(const uint8_t *wr, const uint16_t *pr, int64_t wstride, int64_t pstride,
                                         const uint8_t *ahead, const int8_t *x, const float *xs, const float *xz,
                                         int ng, int W, float *out) {
     const __m512i nibble = _mm512_set1_epi8(0x0f);
@@ -838,7 +842,7 @@ static ALWAYS_INLINE void dot_q4_decode(const uint8_t *wr, const uint16_t *pr, i
 #define Q4_BY_M _mm256_set_epi32(3, 3, 3, 3, 1, 1, 1, 1)
 
 /* <u, x> of two groups: low nibbles (first halves) with xlo, high ones with xhi, in eight lanes */
-static ALWAYS_INLINE __m256i q4_dot2(__m256i lo, __m256i hi, __m256i xlo, __m256i xhi) {
+INLINE __m256i q4_dot2(__m256i lo, __m256i hi, __m256i xlo, __m256i xhi) {
 #if PDCHAT_INT8_PATH == PD_INT8_AVXVNNI
     return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo, xlo), hi, xhi);
 #else
@@ -848,7 +852,7 @@ static ALWAYS_INLINE __m256i q4_dot2(__m256i lo, __m256i hi, __m256i xlo, __m256
 #endif
 }
 
-static ALWAYS_INLINE void dot_q4_rows(const uint8_t *wr, const uint16_t *pr, const int8_t *x, const float *xs,
+INLINE void dot_q4_rows(const uint8_t *wr, const uint16_t *pr, const int8_t *x, const float *xs,
                                       const float *xz, int ng, int K, int R, float *out) {
     const __m256i nibble = _mm256_set1_epi8(0x0f);
     __m256 f[Q4_TILE];
@@ -872,7 +876,7 @@ static ALWAYS_INLINE void dot_q4_rows(const uint8_t *wr, const uint16_t *pr, con
 }
 
 /* As the AVX-512 path's: one activation row against W weight rows, sharing its loads. */
-static ALWAYS_INLINE void dot_q4_decode(const uint8_t *wr, const uint16_t *pr, int64_t wstride, int64_t pstride,
+INLINE void dot_q4_decode(const uint8_t *wr, const uint16_t *pr, int64_t wstride, int64_t pstride,
                                         const uint8_t *ahead, const int8_t *x, const float *xs, const float *xz,
                                         int ng, int W, float *out) {
     const __m256i nibble = _mm256_set1_epi8(0x0f);
@@ -897,7 +901,7 @@ static ALWAYS_INLINE void dot_q4_decode(const uint8_t *wr, const uint16_t *pr, i
         out[w] = sum8(f[w]);
 }
 #elif PDCHAT_INT8_PATH == PD_INT8_NEON_DOT
-static ALWAYS_INLINE void dot_q4_rows(const uint8_t *wr, const uint16_t *pr, const int8_t *x, const float *xs,
+INLINE void dot_q4_rows(const uint8_t *wr, const uint16_t *pr, const int8_t *x, const float *xs,
                                const float *xz, int ng, int K, int R, float *out) {
     const uint8x16_t nibble = vdupq_n_u8(0x0f);
     float32x4_t f[Q4_TILE];
@@ -921,7 +925,7 @@ static ALWAYS_INLINE void dot_q4_rows(const uint8_t *wr, const uint16_t *pr, con
         out[r] = vaddvq_f32(f[r]) + offset[r];
 }
 #else
-static ALWAYS_INLINE void dot_q4_rows(const uint8_t *wr, const uint16_t *pr, const int8_t *x, const float *xs,
+INLINE void dot_q4_rows(const uint8_t *wr, const uint16_t *pr, const int8_t *x, const float *xs,
                                const float *xz, int ng, int K, int R, float *out) {
     for (int r = 0; r < R; r++) {
         const int8_t *xr = x + (int64_t)r * K;
@@ -1637,16 +1641,38 @@ static inline float *result_row(const struct attention_job *job, int64_t at, int
     return job->parts == 1 ? job->out + at * job->D : job->partial + (at * job->parts + part) * (job->D + 2);
 }
 
+/* Where key j's row of one KV head (at `head`) starts in either cache. */
+static inline size_t key_at(const struct attention_job *job, const int32_t *table, size_t head, int j) {
+    return ((size_t)table[j / job->bs] * job->bs + j % job->bs) * job->KVH * job->D + head;
+}
+
 /* Key j's row of one KV head (at `head`) in both caches, fetched into L2. Into L1 these fetches
  * held up the loads they ran ahead of: one decode query over 1,500 keys, 30 layers' caches read
- * from memory, took 4.9 ms, 3.1-3.6 into L2 (4,000 keys: 19.8 against 12.5); slices' tiles within
- * 2% either way; in the engine a decode step after a 1,728-token prompt 7% faster with fp32
- * weights and 15% with int8 (2-core AMD EPYC, 2026-11-27, alternating runs). */
-static inline void prefetch_key(const struct attention_job *job, const int32_t *table, size_t head, int j) {
-    size_t at = ((size_t)table[j / job->bs] * job->bs + j % job->bs) * job->KVH * job->D + head;
+ * from memory, took 4.9 ms, 3.1-3.6 into L2 (4,000 keys: 19.8 against 12.5); in the engine a
+ * decode step after a 1,728-token prompt 7% faster with fp32 weights and 15% with int8 (2-core AMD
+ * EPYC, 2026-11-27, alternating runs). */
+INLINE void prefetch_key(const struct attention_job *job, const int32_t *table, size_t head, int j) {
+    size_t at = key_at(job, table, head, j);
     for (int d = 0; d < job->D; d += 16) {    /* (a 64-byte line) */
         __builtin_prefetch(job->k_cache + at + d, 0, INTO_L2);
         __builtin_prefetch(job->v_cache + at + d, 0, INTO_L2);
+    }
+}
+
+/* Keys [from, to)'s rows of one KV head in one cache (K or V), fetched into L2. A tile fetches the
+ * next keys' K rows before scoring and their V rows after, where all 16 keys' K and V lines at once
+ * (128) would run past what the core keeps in flight. Until 2026-11-27 GCC had deleted the tiles'
+ * fetches (INLINE, above), and the first pass over a KV head's keys waited on memory: one thread
+ * took 37 ms for 30 layers of a 15-query slice over 1,500 keys from memory, 28 in cache. Fetched,
+ * that slice takes 17-19% less time in an -march=haswell build and 22-32% less in the AVX-512 one
+ * (one and two threads), 15 queries over 600 or 3,000 keys 31-38% less in both, 31 over 1,000 8%
+ * and 24% (2-core AMD EPYC, alternating runs; the same bits); two tiles of keys ahead, or in four
+ * parts, did no better. */
+INLINE void prefetch_rows(const struct attention_job *job, const float *cache, const int32_t *table, size_t head,
+                          int from, int to) {
+    for (int j = from; j < to; j++) {
+        size_t at = key_at(job, table, head, j);
+        for (int d = 0; d < job->D; d += 16) __builtin_prefetch(cache + at + d, 0, INTO_L2);
     }
 }
 
@@ -1706,8 +1732,8 @@ static inline void score_keys(const float *kr, size_t row, int nk, int D, const 
 /* Online softmax over one tile, per row: keys past a row's position (lim) count for nothing
  * where `masked`; sc becomes the weights, m and l the running max and sum, alpha what the sums so
  * far scale by. (Inlined with `masked` a constant: each caller gets a loop without the test.) */
-static inline __attribute__((always_inline)) void softmax_pass(float sc[TK][TR], int nk, int j0, const float *lim,
-                                                               float *m, float *l, float *alpha, const int masked) {
+INLINE void softmax_pass(float sc[TK][TR], int nk, int j0, const float *lim, float *m, float *l, float *alpha,
+                         const int masked) {
     float mt[TR];
 #pragma omp simd
     for (int r = 0; r < TR; r++) mt[r] = m[r];
@@ -1789,12 +1815,13 @@ static void attend_tile(const struct attention_job *job, const float *const *qro
         int in_block = bs - j0 % bs, left = last + 1 - j0;
         int nk = left < in_block ? left : in_block;
         nk = nk < TK ? nk : TK;
-        size_t first = ((size_t)table[j0 / bs] * bs + j0 % bs) * row + head;
+        size_t first = key_at(job, table, head, j0);
         lanes acc[TK], scale;
         float sc[TK][TR], alpha[TR];
-        for (int j = j0 + nk; j < j0 + nk + TK && j <= last; j++)    /* the next keys' rows, meanwhile */
-            prefetch_key(job, table, head, j);
+        int next = j0 + nk, ahead = next + TK <= last + 1 ? next + TK : last + 1;   /* fetched meanwhile */
+        prefetch_rows(job, job->k_cache, table, head, next, ahead);
         score_keys(job->k_cache + first, row, nk, D, qt, acc);
+        prefetch_rows(job, job->v_cache, table, head, next, ahead);
         memcpy(sc, acc, sizeof sc);
         softmax_keys(sc, nk, j0, lim, m, l, alpha);
         memcpy(acc, sc, sizeof acc);
@@ -1882,7 +1909,6 @@ struct head_group {
     int G;
 };
 #define CHUNK(D, c) ((D) - (c) * TR < TR ? (D) - (c) * TR : TR)   /* floats in chunk c of a head */
-#define INLINE static inline __attribute__((always_inline))
 
 /* The scores of nk keys from key j0 (rows from kr on, `row` floats apart) for every head, the
  * rows of key j + AHEAD_KEYS (up to `last`) fetched meanwhile. */
@@ -1931,7 +1957,7 @@ INLINE void attend_heads_c(const struct attention_job *job, int t, int pos, cons
                            int G, int part, const int C) {
     int D = job->D, bs = job->bs, lo, last;
     part_range(job, pos + 1, part, &lo, &last);
-    size_t row = (size_t)job->KVH * D, head = (size_t)kvh * D;
+    size_t head = (size_t)kvh * D;
     struct head_group g;
     g.G = G;
     for (int h = 0; h < G; h++) {
@@ -1946,7 +1972,7 @@ INLINE void attend_heads_c(const struct attention_job *job, int t, int pos, cons
         int in_block = bs - j0 % bs, left = last + 1 - j0;
         int nk = left < in_block ? left : in_block;
         nk = nk < KEY_TILE ? nk : KEY_TILE;
-        size_t first = ((size_t)table[j0 / bs] * bs + j0 % bs) * row + head;
+        size_t first = key_at(job, table, head, j0);
         group_scores(job, &g, job->k_cache + first, table, head, j0, nk, last, C);
         group_values(job, &g, job->v_cache + first, nk, C);
         j0 += nk;
