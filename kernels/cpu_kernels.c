@@ -753,7 +753,7 @@ INLINE __m512i q4_tail_weights(const uint8_t *wg) {
 /* Those two groups (u, their params pg) against one activation row's (xg, its scales s0 and s1,
  * offset factors z0 and z1): the products into f, the offset term returned. */
 INLINE float q4_tail_row(__m512i u, const uint16_t *pg, const int8_t *xg, float s0, float s1,
-                                       float z0, float z1, __m512 *f) {
+                         float z0, float z1, __m512 *f) {
     __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(xg));
     /* insertf64x4, not insertf32x8: the latter is AVX-512 DQ, which this path does not require */
     __m512 s = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(bf16_to_f32(pg[0]) * s0)),
@@ -763,7 +763,7 @@ INLINE float q4_tail_row(__m512i u, const uint16_t *pg, const int8_t *xg, float 
 }
 
 INLINE void dot_q4_rows(const uint8_t *wr, const uint16_t *pr, const int8_t *x, const float *xs,
-                                      const float *xz, int ng, int K, int R, float *out) {
+                        const float *xz, int ng, int K, int R, float *out) {
     const __m512i nibble = _mm512_set1_epi8(0x0f);
     __m512 f[Q4_TILE];
     float tail[Q4_TILE];
@@ -805,8 +805,8 @@ INLINE void dot_q4_rows(const uint8_t *wr, const uint16_t *pr, const int8_t *x, 
  * the int8 rows' prefetch into L2 made int8's 3-4% slower, and the 256-bit form's, built here for
  * the AVX2 path, +3.5% and -0.4%: both stay in L1). */
 INLINE void dot_q4_decode(const uint8_t *wr, const uint16_t *pr, int64_t wstride, int64_t pstride,
-                                        const uint8_t *ahead, const int8_t *x, const float *xs, const float *xz,
-                                        int ng, int W, float *out) {
+                          const uint8_t *ahead, const int8_t *x, const float *xs, const float *xz,
+                          int ng, int W, float *out) {
     const __m512i nibble = _mm512_set1_epi8(0x0f);
     __m512 f[Q4_DECODE_ROWS];
     float tail[Q4_DECODE_ROWS];
@@ -853,7 +853,7 @@ INLINE __m256i q4_dot2(__m256i lo, __m256i hi, __m256i xlo, __m256i xhi) {
 }
 
 INLINE void dot_q4_rows(const uint8_t *wr, const uint16_t *pr, const int8_t *x, const float *xs,
-                                      const float *xz, int ng, int K, int R, float *out) {
+                        const float *xz, int ng, int K, int R, float *out) {
     const __m256i nibble = _mm256_set1_epi8(0x0f);
     __m256 f[Q4_TILE];
     for (int r = 0; r < R; r++)
@@ -877,8 +877,8 @@ INLINE void dot_q4_rows(const uint8_t *wr, const uint16_t *pr, const int8_t *x, 
 
 /* As the AVX-512 path's: one activation row against W weight rows, sharing its loads. */
 INLINE void dot_q4_decode(const uint8_t *wr, const uint16_t *pr, int64_t wstride, int64_t pstride,
-                                        const uint8_t *ahead, const int8_t *x, const float *xs, const float *xz,
-                                        int ng, int W, float *out) {
+                          const uint8_t *ahead, const int8_t *x, const float *xs, const float *xz,
+                          int ng, int W, float *out) {
     const __m256i nibble = _mm256_set1_epi8(0x0f);
     __m256 f[Q4_DECODE_ROWS];
     for (int w = 0; w < W; w++)
@@ -902,7 +902,7 @@ INLINE void dot_q4_decode(const uint8_t *wr, const uint16_t *pr, int64_t wstride
 }
 #elif PDCHAT_INT8_PATH == PD_INT8_NEON_DOT
 INLINE void dot_q4_rows(const uint8_t *wr, const uint16_t *pr, const int8_t *x, const float *xs,
-                               const float *xz, int ng, int K, int R, float *out) {
+                        const float *xz, int ng, int K, int R, float *out) {
     const uint8x16_t nibble = vdupq_n_u8(0x0f);
     float32x4_t f[Q4_TILE];
     float offset[Q4_TILE];
@@ -926,7 +926,7 @@ INLINE void dot_q4_rows(const uint8_t *wr, const uint16_t *pr, const int8_t *x, 
 }
 #else
 INLINE void dot_q4_rows(const uint8_t *wr, const uint16_t *pr, const int8_t *x, const float *xs,
-                               const float *xz, int ng, int K, int R, float *out) {
+                        const float *xz, int ng, int K, int R, float *out) {
     for (int r = 0; r < R; r++) {
         const int8_t *xr = x + (int64_t)r * K;
         float f = 0.f;
