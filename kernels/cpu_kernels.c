@@ -1679,71 +1679,88 @@ INLINE void prefetch_rows(const struct attention_job *job, const float *cache, c
 /* Sequences of TILE_MIN_QUERIES or more queries (prefill slices, long verifies) go by tiles
  * (attention_tiles); the others one (token, KV head) pair at a time (attention_groups). */
 #define TILE_MIN_QUERIES 4
-/* (query, head) rows of one KV head in a tile, one vector lane each: 16 (a zmm; four NEON q
- * registers), 8 where x86 has 16 vector registers of 256 bits (AVX2, AVX-VNNI). There, 16 lanes
- * (two ymm each) spilled the decodes' queries and sums and the tiles' scores to the stack: an
- * -march=haswell build here took a decode token over 1,500 keys (30 layers) in 14.0 ms, 4.0 with
- * 8, a 15-query slice in 64.5 ms, 31.8 with 8; in the engine after a 1,728-token prompt TPOT 33.0
- * -> 22.6 ms with fp32 weights, 21.5 -> 11.4 with int8 (2-core AMD EPYC, 2026-11-27, alternating
- * runs; AVX-512 builds unchanged). */
+/* Floats in one vector of the attention code (`lanes`): 16 (a zmm; four NEON q registers), 8 where
+ * x86 has 16 vector registers of 256 bits (AVX2, AVX-VNNI). There, vectors of 16 (two ymm each)
+ * spilled the decodes' queries and sums and the tiles' scores to the stack: an -march=haswell
+ * build here took a decode token over 1,500 keys (30 layers) in 14.0 ms, 4.0 with 8, a 15-query
+ * slice in 64.5 ms, 31.8 with 8; in the engine after a 1,728-token prompt TPOT 33.0 -> 22.6 ms
+ * with fp32 weights, 21.5 -> 11.4 with int8 (2-core AMD EPYC, 2026-11-27, alternating runs). */
 #if defined(__AVX__) && !defined(__AVX512F__)
 #define TR 8
 #else
 #define TR 16
 #endif
 #define TK 16   /* keys scored at once */
-/* A vector of TR floats, one per row of a tile (GCC/Clang vector extensions: the compiler maps it
- * to the target's registers: a zmm, a ymm, or four NEON q registers). */
+/* A vector of TR floats (GCC/Clang vector extensions: the compiler maps it to the target's
+ * registers: a zmm, a ymm, or four NEON q registers). */
 typedef float lanes __attribute__((vector_size(TR * sizeof(float))));
 
-static int tiles_of(int queries, int group) { return (queries * group + TR - 1) / TR; }
+/* A tile is TILE_ROWS (query, head) rows of one KV head, one vector lane each, in TILE_VECS vectors:
+ * 16 everywhere, so two vectors of 8 on 256-bit x86, where each broadcast key or value element then
+ * serves two multiply-adds and each key is read once per 16 rows. Against tiles of one vector of 8,
+ * an -march=haswell build here took 12-18% less time over 30 layers' caches from memory (15
+ * queries over 1,500 keys three times, 31 over 1,000, 15 over 3,000; 2026-11-28, alternating runs);
+ * its results moved by up to 3e-7 (with half the tiles, a slice's keys split between the threads
+ * where they had not). */
+#define TILE_VECS (TR == 8 ? 2 : 1)
+#define TILE_ROWS (TR * TILE_VECS)
+static int tiles_of(int queries, int group) { return (queries * group + TILE_ROWS - 1) / TILE_ROWS; }
 
-/* One tile: up to TR rows of one KV head against keys 0..last, vectorized across the rows. The
- * queries are copied transposed once (qt[d][row]), so a key's scores for all rows are one
- * multiply-add per dimension with the key's element broadcast: the TK keys' scores stay in
+/* One tile: up to TILE_ROWS rows of one KV head against keys 0..last, vectorized across the rows.
+ * The queries are copied transposed once (qt[d][row]), so a key's scores for all rows are one
+ * multiply-add per dimension and vector with the key's element broadcast: the scores stay in
  * registers, the online softmax runs on vectors of rows, and the weighted values are added into
  * ot[d][row] the same way. Lanes past the tile's rows carry zeros and are never written out. */
-/* Keys whose scores a full tile sums at once: half the tile, so that the sums, the query vector and
- * a broadcast key element fit 16 registers (AVX2's ymm; 18 spilled there). */
-#define SCORED_KEYS 8
-/* Dimensions whose value sums add_values carries at once: each sum is a chain of TK dependent
- * multiply-adds, and one chain at a time waited on their latency. With both, 30 layers' attention
- * of a 15-query slice over 1,500 keys took 14-16% less time (AVX-512 build) and 23% less
- * (-march=haswell build) with one layer's caches in cache, 9% and 15% from memory; 32 queries over
- * 1,000 keys from memory 9% and 20% (2-core AMD EPYC, 2026-11-27, alternating runs; the same bits). */
-#define VALUE_DIMS 8
+/* Keys whose scores a full tile sums at once: 8 vectors of sums, so that they, the query's vectors
+ * and a broadcast key element fit 16 registers (AVX2's ymm; 16 keys' sums spilled there). */
+#define SCORED_KEYS (8 / TILE_VECS)
+/* Dimensions whose value sums add_values carries at once (8 vectors): each sum is a chain of TK
+ * dependent multiply-adds, and one chain at a time waited on their latency. With both, 30 layers'
+ * attention of a 15-query slice over 1,500 keys took 14-16% less time (AVX-512 build) and 23% less
+ * (-march=haswell build, tiles of 8 rows then) with one layer's caches in cache, 9% and 15% from
+ * memory; 32 queries over 1,000 keys from memory 9% and 20% (2-core AMD EPYC, 2026-11-27,
+ * alternating runs; the same bits). */
+#define VALUE_DIMS (8 / TILE_VECS)
 
-/* Scores of a tile's nk keys (rows `row` floats apart) for all TR rows: acc[j] = K[j] . qt. */
-static inline void score_keys(const float *kr, size_t row, int nk, int D, const lanes *qt, lanes acc[TK]) {
-    for (int j = 0; j < TK; j++) acc[j] = (lanes){0};
+/* Scores of a tile's nk keys (rows `row` floats apart) for all its rows: acc[j] = K[j] . qt. */
+static inline void score_keys(const float *kr, size_t row, int nk, int D, lanes (*qt)[TILE_VECS],
+                              lanes acc[TK][TILE_VECS]) {
+    for (int j = 0; j < TK; j++)
+        for (int v = 0; v < TILE_VECS; v++) acc[j][v] = (lanes){0};
     if (nk == TK) {     /* (the usual full tile: constant bounds keep the scores in registers) */
         for (int j0 = 0; j0 < TK; j0 += SCORED_KEYS)
             for (int d = 0; d < D; d++) {
-                lanes q = qt[d];
+                lanes q[TILE_VECS];
+                memcpy(q, qt[d], sizeof q);
 #pragma GCC unroll 16
-                for (int j = j0; j < j0 + SCORED_KEYS; j++) acc[j] += kr[j * row + d] * q;
+                for (int j = j0; j < j0 + SCORED_KEYS; j++) {
+                    float k = kr[j * row + d];
+#pragma GCC unroll 2
+                    for (int v = 0; v < TILE_VECS; v++) acc[j][v] += k * q[v];
+                }
             }
     } else {
         for (int d = 0; d < D; d++)
-            for (int j = 0; j < nk; j++) acc[j] += kr[j * row + d] * qt[d];
+            for (int j = 0; j < nk; j++)
+                for (int v = 0; v < TILE_VECS; v++) acc[j][v] += kr[j * row + d] * qt[d][v];
     }
 }
 
 /* Online softmax over one tile, per row: keys past a row's position (lim) count for nothing
  * where `masked`; sc becomes the weights, m and l the running max and sum, alpha what the sums so
  * far scale by. (Inlined with `masked` a constant: each caller gets a loop without the test.) */
-INLINE void softmax_pass(float sc[TK][TR], int nk, int j0, const float *lim, float *m, float *l, float *alpha,
-                         const int masked) {
-    float mt[TR];
+INLINE void softmax_pass(float sc[TK][TILE_ROWS], int nk, int j0, const float *lim, float *m, float *l,
+                         float *alpha, const int masked) {
+    float mt[TILE_ROWS];
 #pragma omp simd
-    for (int r = 0; r < TR; r++) mt[r] = m[r];
+    for (int r = 0; r < TILE_ROWS; r++) mt[r] = m[r];
     for (int j = 0; j < nk; j++) {
         float kp = (float)(j0 + j);
 #pragma omp simd
-        for (int r = 0; r < TR; r++) mt[r] = !masked || kp <= lim[r] ? max_f(mt[r], sc[j][r]) : mt[r];
+        for (int r = 0; r < TILE_ROWS; r++) mt[r] = !masked || kp <= lim[r] ? max_f(mt[r], sc[j][r]) : mt[r];
     }
 #pragma omp simd
-    for (int r = 0; r < TR; r++) {
+    for (int r = 0; r < TILE_ROWS; r++) {
         alpha[r] = mt[r] == -INFINITY ? 1.f : exp_fast(m[r] - mt[r]);
         l[r] *= alpha[r];
         m[r] = mt[r];
@@ -1751,7 +1768,7 @@ INLINE void softmax_pass(float sc[TK][TR], int nk, int j0, const float *lim, flo
     for (int j = 0; j < nk; j++) {
         float kp = (float)(j0 + j);
 #pragma omp simd
-        for (int r = 0; r < TR; r++) {
+        for (int r = 0; r < TILE_ROWS; r++) {
             sc[j][r] = !masked || kp <= lim[r] ? exp_fast(sc[j][r] - m[r]) : 0.f;
             l[r] += sc[j][r];
         }
@@ -1763,49 +1780,57 @@ INLINE void softmax_pass(float sc[TK][TR], int nk, int j0, const float *lim, flo
  * tile or two of keys, 2-8% off its attention (15 queries over 1,500 keys, 30 layers, 2-core AMD
  * EPYC, 2026-11-27: 5-8% with one layer's caches in cache, 2-7% read from memory, in alternating
  * runs; the same bits). */
-static inline void softmax_keys(float sc[TK][TR], int nk, int j0, const float *lim, float *m, float *l,
+static inline void softmax_keys(float sc[TK][TILE_ROWS], int nk, int j0, const float *lim, float *m, float *l,
                                 float *alpha) {
     if (j0 + nk - 1 <= lim[0]) softmax_pass(sc, nk, j0, lim, m, l, alpha, 0);
     else softmax_pass(sc, nk, j0, lim, m, l, alpha, 1);
 }
 
-/* ot[d] = ot[d] * scale + sum over the tile's keys of V[j][d] * p[j], for all rows at once. */
-static inline void add_values(const float *vr, size_t row, int nk, int D, const lanes p[TK], lanes scale,
-                              lanes *ot) {
+/* ot[d] = ot[d] * scale + sum over the tile's keys of V[j][d] * p[j], for all rows at once (a row's
+ * p, scale and ot in lane r % TR of vector r / TR). */
+static inline void add_values(const float *vr, size_t row, int nk, int D, lanes p[TK][TILE_VECS],
+                              const lanes *scale, lanes (*ot)[TILE_VECS]) {
     if (nk == TK && D % VALUE_DIMS == 0) {
         for (int d = 0; d < D; d += VALUE_DIMS) {
-            lanes o[VALUE_DIMS];
+            lanes o[VALUE_DIMS][TILE_VECS];
 #pragma GCC unroll 8
-            for (int i = 0; i < VALUE_DIMS; i++) o[i] = ot[d + i] * scale;
+            for (int i = 0; i < VALUE_DIMS; i++)
+                for (int v = 0; v < TILE_VECS; v++) o[i][v] = ot[d + i][v] * scale[v];
 #pragma GCC unroll 16
             for (int j = 0; j < TK; j++)
 #pragma GCC unroll 8
-                for (int i = 0; i < VALUE_DIMS; i++) o[i] += vr[j * row + d + i] * p[j];
+                for (int i = 0; i < VALUE_DIMS; i++) {
+                    float x = vr[j * row + d + i];
+#pragma GCC unroll 2
+                    for (int v = 0; v < TILE_VECS; v++) o[i][v] += x * p[j][v];
+                }
 #pragma GCC unroll 8
-            for (int i = 0; i < VALUE_DIMS; i++) ot[d + i] = o[i];
+            for (int i = 0; i < VALUE_DIMS; i++)
+                for (int v = 0; v < TILE_VECS; v++) ot[d + i][v] = o[i][v];
         }
     } else {
-        for (int d = 0; d < D; d++) {
-            lanes o = ot[d] * scale;
-            for (int j = 0; j < nk; j++) o += vr[j * row + d] * p[j];
-            ot[d] = o;
-        }
+        for (int d = 0; d < D; d++)
+            for (int v = 0; v < TILE_VECS; v++) {
+                lanes o = ot[d][v] * scale[v];
+                for (int j = 0; j < nk; j++) o += vr[j * row + d] * p[j][v];
+                ot[d][v] = o;
+            }
     }
 }
 
 static void attend_tile(const struct attention_job *job, const float *const *qrow, const int *pos, int R,
-                        const int32_t *table, size_t head, int part, float *out_rows[TR]) {
+                        const int32_t *table, size_t head, int part, float *out_rows[TILE_ROWS]) {
     int D = job->D, bs = job->bs;
     size_t row = (size_t)job->KVH * D;
-    lanes qt[MAX_HEAD_DIM], ot[MAX_HEAD_DIM];
-    float m[TR], l[TR], lim[TR];
+    lanes qt[MAX_HEAD_DIM][TILE_VECS], ot[MAX_HEAD_DIM][TILE_VECS];
+    float m[TILE_ROWS], l[TILE_ROWS], lim[TILE_ROWS];
     for (int d = 0; d < D; d++) {
-        float t[TR];
-        for (int r = 0; r < TR; r++) t[r] = r < R ? qrow[r][d] * job->scale : 0.f;
-        memcpy(&qt[d], t, sizeof t);
-        ot[d] = (lanes){0};
+        float t[TILE_ROWS];
+        for (int r = 0; r < TILE_ROWS; r++) t[r] = r < R ? qrow[r][d] * job->scale : 0.f;
+        memcpy(qt[d], t, sizeof t);
+        for (int v = 0; v < TILE_VECS; v++) ot[d][v] = (lanes){0};
     }
-    for (int r = 0; r < TR; r++) {
+    for (int r = 0; r < TILE_ROWS; r++) {
         m[r] = -INFINITY, l[r] = 0.f;
         lim[r] = r < R ? (float)pos[r] : -1.f;     /* padding lanes see no key */
     }
@@ -1816,8 +1841,8 @@ static void attend_tile(const struct attention_job *job, const float *const *qro
         int nk = left < in_block ? left : in_block;
         nk = nk < TK ? nk : TK;
         size_t first = key_at(job, table, head, j0);
-        lanes acc[TK], scale;
-        float sc[TK][TR], alpha[TR];
+        lanes acc[TK][TILE_VECS], scale[TILE_VECS];
+        float sc[TK][TILE_ROWS], alpha[TILE_ROWS];
         int next = j0 + nk, ahead = next + TK <= last + 1 ? next + TK : last + 1;   /* fetched meanwhile */
         prefetch_rows(job, job->k_cache, table, head, next, ahead);
         score_keys(job->k_cache + first, row, nk, D, qt, acc);
@@ -1825,13 +1850,13 @@ static void attend_tile(const struct attention_job *job, const float *const *qro
         memcpy(sc, acc, sizeof sc);
         softmax_keys(sc, nk, j0, lim, m, l, alpha);
         memcpy(acc, sc, sizeof acc);
-        memcpy(&scale, alpha, sizeof scale);
+        memcpy(scale, alpha, sizeof scale);
         add_values(job->v_cache + first, row, nk, D, acc, scale, ot);
         j0 += nk;
     }
     for (int r = 0; r < R; r++) {       /* the output, or a part's sums and their max and total */
         float inv = job->parts == 1 ? 1.f / l[r] : 1.f;
-        for (int d = 0; d < D; d++) out_rows[r][d] = ot[d][r] * inv;
+        for (int d = 0; d < D; d++) out_rows[r][d] = ot[d][r / TR][r % TR] * inv;
         if (job->parts > 1) out_rows[r][D] = m[r], out_rows[r][D + 1] = l[r];
     }
 }
@@ -1851,11 +1876,11 @@ static void attention_tiles(const void *arg, int lo, int hi) {
             if (rest < items) break;
             rest -= items;
         }
-        int tiles = tiles_of(n, group), kvh = rest / tiles, r0 = (rest % tiles) * TR;
-        int R = n * group - r0 < TR ? n * group - r0 : TR;
-        int t0 = job->cu_q[s], first_pos = job->ctx[s] - n, pos[TR];
-        const float *qrow[TR];
-        float *orow[TR];
+        int tiles = tiles_of(n, group), kvh = rest / tiles, r0 = (rest % tiles) * TILE_ROWS;
+        int R = n * group - r0 < TILE_ROWS ? n * group - r0 : TILE_ROWS;
+        int t0 = job->cu_q[s], first_pos = job->ctx[s] - n, pos[TILE_ROWS];
+        const float *qrow[TILE_ROWS];
+        float *orow[TILE_ROWS];
         for (int r = 0; r < R; r++) {
             int qi = (r0 + r) / group, h = kvh * group + (r0 + r) % group;
             qrow[r] = job->q + (int64_t)(t0 + qi) * job->q_stride + (int64_t)h * D;
