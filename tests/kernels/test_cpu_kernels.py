@@ -578,7 +578,7 @@ def compile_kernels(out, *flags: str) -> subprocess.CompletedProcess:
 
 def test_a_256_bit_x86_build_matches_reference_here_too(tmp_path):
     """The kernels as an AVX2 machine builds them (16 vector registers of 256 bits: products by
-    blocks of 6 weight rows, attention tiles of 8 rows), built and run on this CPU where it has
+    blocks of 6 weight rows, attention in vectors of 8 lanes), built and run on this CPU where it has
     AVX2 and FMA: the fixture's builds take this machine's own width."""
     if platform.machine().lower() not in ("x86_64", "amd64") or not {"avx2", "fma"} <= cpu.cpu_flags():
         pytest.skip("a 256-bit x86 build: this CPU does not run AVX2 with FMA")
