@@ -1646,34 +1646,30 @@ static inline size_t key_at(const struct attention_job *job, const int32_t *tabl
     return ((size_t)table[j / job->bs] * job->bs + j % job->bs) * job->KVH * job->D + head;
 }
 
-/* Key j's row of one KV head (at `head`) in both caches, fetched into L2. Into L1 these fetches
- * held up the loads they ran ahead of: one decode query over 1,500 keys, 30 layers' caches read
- * from memory, took 4.9 ms, 3.1-3.6 into L2 (4,000 keys: 19.8 against 12.5); in the engine a
- * decode step after a 1,728-token prompt 7% faster with fp32 weights and 15% with int8 (2-core AMD
- * EPYC, 2026-11-27, alternating runs). */
-INLINE void prefetch_key(const struct attention_job *job, const int32_t *table, size_t head, int j) {
-    size_t at = key_at(job, table, head, j);
-    for (int d = 0; d < job->D; d += 16) {    /* (a 64-byte line) */
-        __builtin_prefetch(job->k_cache + at + d, 0, INTO_L2);
-        __builtin_prefetch(job->v_cache + at + d, 0, INTO_L2);
-    }
-}
-
-/* Keys [from, to)'s rows of one KV head in one cache (K or V), fetched into L2. A tile fetches the
- * next keys' K rows before scoring and their V rows after, where all 16 keys' K and V lines at once
- * (128) would run past what the core keeps in flight. Until 2026-11-27 GCC had deleted the tiles'
- * fetches (INLINE, above), and the first pass over a KV head's keys waited on memory: one thread
- * took 37 ms for 30 layers of a 15-query slice over 1,500 keys from memory, 28 in cache. Fetched,
- * that slice takes 17-19% less time in an -march=haswell build and 22-32% less in the AVX-512 one
- * (one and two threads), 15 queries over 600 or 3,000 keys 31-38% less in both, 31 over 1,000 8%
- * and 24% (2-core AMD EPYC, alternating runs; the same bits); two tiles of keys ahead, or in four
- * parts, did no better. */
+/* Keys [from, to)'s rows of one KV head (at `head`) in one cache (K or V), fetched into L2. Into L1
+ * these fetches held up the loads they ran ahead of: one decode query over 1,500 keys, 30 layers'
+ * caches read from memory, took 4.9 ms, 3.1-3.6 into L2 (4,000 keys: 19.8 against 12.5); in the
+ * engine a decode step after a 1,728-token prompt 7% faster with fp32 weights and 15% with int8
+ * (2-core AMD EPYC, 2026-11-27, alternating runs). A tile fetches the next keys' K rows before
+ * scoring and their V rows after, where all 16 keys' K and V lines at once (128) would run past
+ * what the core keeps in flight. Until 2026-11-27 GCC had deleted the tiles' fetches (INLINE,
+ * above), and the first pass over a KV head's keys waited on memory: one thread took 37 ms for 30
+ * layers of a 15-query slice over 1,500 keys from memory, 28 in cache. Fetched, that slice takes
+ * 17-19% less time in an -march=haswell build and 22-32% less in the AVX-512 one (one and two
+ * threads), 15 queries over 600 or 3,000 keys 31-38% less in both, 31 over 1,000 8% and 24%
+ * (alternating runs; the same bits); two tiles of keys ahead, or in four parts, did no better. */
 INLINE void prefetch_rows(const struct attention_job *job, const float *cache, const int32_t *table, size_t head,
                           int from, int to) {
     for (int j = from; j < to; j++) {
         size_t at = key_at(job, table, head, j);
-        for (int d = 0; d < job->D; d += 16) __builtin_prefetch(cache + at + d, 0, INTO_L2);
+        for (int d = 0; d < job->D; d += 16) __builtin_prefetch(cache + at + d, 0, INTO_L2);   /* (a 64-byte line) */
     }
+}
+
+/* Key j's rows in both caches (a decode's fetch ahead, key by key). */
+INLINE void prefetch_key(const struct attention_job *job, const int32_t *table, size_t head, int j) {
+    prefetch_rows(job, job->k_cache, table, head, j, j + 1);
+    prefetch_rows(job, job->v_cache, table, head, j, j + 1);
 }
 
 /* Sequences of TILE_MIN_QUERIES or more queries (prefill slices, long verifies) go by tiles
