@@ -600,10 +600,11 @@ def test_a_256_bit_x86_build_matches_reference_here_too(tmp_path):
 
 def fetches_in(asm: str, *functions: str) -> int:
     """Prefetch instructions (x86 prefetch*, Arm prfm) in the disassembled bodies of `functions`
-    (their compiler-made clones too: name.part.0, name.constprop.0)."""
+    (their compiler-made clones too: name.part.0, name.constprop.0; Mach-O's leading underscore
+    aside)."""
     count, inside = 0, False
     for line in asm.splitlines():
-        header = re.match(r"^[0-9a-f]+ <([^>]+)>:$", line)
+        header = re.match(r"^[0-9a-f]+ <_?([^>]+)>:$", line)
         if header:
             inside = header.group(1).split(".")[0] in functions
         elif inside and re.search(r"\s(prefetch\w*|prfm)\s", line):
