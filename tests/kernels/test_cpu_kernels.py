@@ -625,7 +625,7 @@ def test_the_attention_tiles_fetch_their_next_keys_in_the_built_code(tmp_path, m
     done = compile_kernels(out, f"-march={march}")
     assert done.returncode == 0, done.stderr[-1500:]
     asm = subprocess.run(["objdump", "-d", str(out)], capture_output=True, text=True).stdout
-    assert fetches_in(asm, "attend_tile", "attention_tiles") > 0
+    assert fetches_in(asm, "attend_pass", "attention_tiles") > 0
     assert fetches_in(asm, "attend_heads", "attention_groups") > 0      # the decodes' (always there)
 
 
