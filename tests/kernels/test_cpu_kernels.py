@@ -415,16 +415,16 @@ def test_a_lone_decode_split_by_keys_over_two_threads_matches_reference(ops, kv_
 
 
 @pytest.mark.parametrize("qlens,clens,kv_heads,group,head_dim", [
-    ([15], [1000], 3, 3, 64),          # the default model's slice: its 9 tiles would load two threads 5 : 4
+    ([15], [1000], 3, 3, 64),          # the default model's slice: its 3 passes would load two threads 2 : 1
     ([15, 1], [1000, 700], 3, 3, 64),  # a slice beside a decode: each split, the parts merged apart
     ([15], [530], 3, 3, 64),           # ranges that do not end on a block, the queries near the second
-    ([20], [1500], 1, 12, 128),        # 15 tiles of a group past 8 heads
-    ([16], [900], 2, 4, 40),           # 8 tiles fill two threads: not split
+    ([20], [1500], 1, 12, 128),        # 15 tiles (5 passes) of a group past 8 heads
+    ([16], [900], 2, 4, 40),           # 8 tiles in 4 passes fill two threads: not split
     ([15], [511], 3, 3, 64),           # too few keys to split
 ])
 def test_a_slice_split_by_keys_over_two_threads_matches_reference(ops, qlens, clens, kv_heads, group, head_dim):
-    # A prefill slice's tiles too few to fill the threads evenly: each tile's keys go in ranges,
-    # their partial sums merged afterwards.
+    # A prefill slice's passes of tiles too few to fill the threads evenly: each pass's keys go in
+    # ranges, their partial sums merged afterwards.
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
