@@ -1693,8 +1693,9 @@ typedef float lanes __attribute__((vector_size(TR * sizeof(float))));
 /* A vector the compiler must hold in a register from here on (an empty asm that "changes" it). With
  * 16 ymm GCC otherwise read a tile's query vectors from memory again in every multiply-add that
  * used them (a memory operand each), and on a 2-core AMD EPYC (Zen 3, AVX2) the loads, not the
- * multiply-adds, set the pace: scores for 4 keys x 16 rows in L1 at 2.1 multiply-adds a ns, 3.8
- * held (2026-11-28). Elsewhere a no-op (not measured there; on Arm a vector is four registers). */
+ * multiply-adds, set the pace: scores for 4 keys x 16 rows in L1 at 2.1 vector multiply-adds a ns,
+ * 3.8 held (a core's peak 5.7; 2026-11-28). Elsewhere a no-op (not measured there; on Arm a vector
+ * is four registers). */
 #if defined(__AVX__) && !defined(__AVX512F__)
 #define IN_REGISTER(v) __asm__("" : "+x"(v))
 #else
