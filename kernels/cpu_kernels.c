@@ -1696,7 +1696,7 @@ typedef float lanes __attribute__((vector_size(TR * sizeof(float))));
  * multiply-adds, set the pace: scores for 4 keys x 16 rows in L1 at 2.1 vector multiply-adds a ns,
  * 3.8 held (a core's peak 5.7; 2026-11-28). Elsewhere a no-op (not measured there; on Arm a vector
  * is four registers). */
-#if defined(__AVX__) && !defined(__AVX512F__)
+#if TR == 8                   /* (256-bit x86) */
 #define IN_REGISTER(v) __asm__("" : "+x"(v))
 #else
 #define IN_REGISTER(v) ((void)0)
@@ -1828,12 +1828,12 @@ static inline void add_values(const float *vr, size_t row, int nk, int D, lanes 
 
 /* Tiles of one KV head that go over its keys together (a pass): each block of keys comes from
  * memory once for all of them (the other tiles read it from L1), where each tile had read all the
- * keys again. A tile's state (below) is 8 KB at the default model's head size, so three and a block of
- * keys fit L1 (its arrays take 64 KB of stack at the largest head size, 192 KB a pass). With the
- * query vectors held in registers (IN_REGISTER), 30 layers of a slice beside a decode, caches from
- * memory, took 6% less time for 15 queries over 1,500 keys, 12% for 31 over 1,000, 10% for 23 over
- * 700, 3-4% for 15 over 600 or 3,000 (2-core AMD EPYC, Zen 3, AVX2 only, 2026-11-28, 30
- * alternating rounds each, paired medians); results move by up to 3e-7 (the passes' key ranges
+ * keys again. A tile's state (below) is 8 KB at the default model's head size, so three and a
+ * block of keys fit L1 (its arrays take 64 KB of stack at the largest head size, 192 KB a pass).
+ * With the query vectors held in registers (IN_REGISTER), 30 layers of a slice beside a decode,
+ * caches from memory, took 6% less time for 15 queries over 1,500 keys, 12% for 31 over 1,000, 10%
+ * for 23 over 700, 3-4% for 15 over 600 or 3,000 (2-core AMD EPYC, Zen 3, AVX2 only, 2026-11-28,
+ * 30 alternating rounds each, paired medians); results move by up to 3e-7 (the passes' key ranges
  * split between threads where the tiles' had not). Not measured on AVX-512 or Arm builds (their
  * results checked against a reference: the suite, and an Arm build under qemu). */
 #define TILES_PER_PASS 3
