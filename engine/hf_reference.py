@@ -47,6 +47,7 @@ def hf_generate(model, prompt_ids: list[int], max_new_tokens: int, **generate_kw
 
 
 @torch.inference_mode()
-def hf_last_logits(model, ids: list[int]) -> torch.Tensor:
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    """fp32 logits at every position of ids ([len, vocab]), in one forward."""
     device = next(model.parameters()).device
-    return model(torch.tensor([ids], device=device)).logits[0, -1].float()
+    return model(torch.tensor([ids], device=device)).logits[0].float()
