@@ -34,6 +34,13 @@ def test_a_cpu_engine_runs_a_prompt_block_and_a_decode_row_at_load(monkeypatch):
         assert (stats.kv_blocks_used, stats.kv_blocks_cached, stats.step_ms, stats.prefix_hit_rate) == (0, 0, None, None)
 
 
+def test_triton_on_a_cpu_is_the_interpreter_and_is_not_warmed(monkeypatch):
+    seen = []
+    monkeypatch.setattr(ModelRunner, "forward", lambda self, items, rows, on_layer=None: seen.append(items))
+    with tiny(kernels="triton") as engine:
+        assert engine.ops.name == "triton" and seen == []
+
+
 def test_the_first_requests_answer_as_without_it(monkeypatch):
     """The first request gets blocks 0 and 1, which hold the warm-up's K/V: each slot is written
     before it is read, so the tokens are those of an engine that never warmed up (an attention
