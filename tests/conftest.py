@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import os
 
-# Two test workers on two cores (make test), each with an OpenMP thread a core: a thread that
-# spins while it waits, OpenMP's default, holds a core the other worker needs, and each small
-# parallel op then waits out a time slice (a sampling test took 39 s beside a busy core instead
-# of 9; with passive waiting 11: 2-core AMD EPYC, 2026-11-28). Read when OpenMP loads: before torch.
+# Two test workers on two cores (make test), each with as many OpenMP threads as cores: a thread
+# that spins while it waits, OpenMP's default, holds a core the other worker needs, and each small
+# parallel op then waits out a time slice (a sampling test took 39 s beside a busy core instead of
+# 9; with passive waiting 11: 2-core AMD EPYC, 2026-11-28). Read when OpenMP loads: before torch.
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

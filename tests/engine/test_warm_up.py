@@ -1,6 +1,9 @@
 """The forward an engine runs at load (ModelRunner.warm_up): it happens, and it leaves no trace."""
 from __future__ import annotations
 
+import pytest
+import torch
+
 from pdchat.engine import Engine, SamplingParams
 from pdchat.engine.model_runner import ModelRunner
 
@@ -34,6 +37,7 @@ def test_a_cpu_engine_runs_a_prompt_block_and_a_decode_row_at_load(monkeypatch):
         assert (stats.kv_blocks_used, stats.kv_blocks_cached, stats.step_ms, stats.prefix_hit_rate) == (0, 0, None, None)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, Triton's kernels are not interpreted")
 def test_triton_on_a_cpu_is_the_interpreter_and_is_not_warmed(monkeypatch):
     seen = []
     monkeypatch.setattr(ModelRunner, "forward", lambda self, items, rows, on_layer=None: seen.append(items))
