@@ -1,5 +1,5 @@
 """Our model against Hugging Face transformers on the same weights: greedy tokens identical,
-logits within 1e-4 (fp32, CPU; the last position, every position for the default model), with
+last-position logits within 1e-4 (fp32, CPU; every position within 2e-4 for the default model), with
 PyTorch's ops and with the C kernels. The default model's oracle reads the original GGUF through
 transformers, not pdchat's conversion."""
 from __future__ import annotations
@@ -66,8 +66,10 @@ def test_default_model_matches_transformers(default_engine, hf_from_source):
         full = ids + got
         want = hf_logits(hf_from_source, full)
         assert want[len(ids) - 1:-1].argmax(dim=-1).tolist() == got
-        diff = (default_engine.prompt_logits(full) - want).abs().max().item()
-        assert diff < 1e-4
+        # fp32 sums in another order: 2-3e-5 at the last position, up to 7.4e-5 where a position's
+        # logits reach 30 (2-core AMD EPYC, AVX2, 2026-11-28); a 0.1% error in RoPE's base gave 2-3e-3.
+        diff = (default_engine.prompt_logits(full) - want).abs().amax(dim=-1)
+        assert diff[-1].item() < 1e-4 and diff.max().item() < 2e-4
 
 
 def test_default_model_answers_sensibly(default_engine):
