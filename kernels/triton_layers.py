@@ -95,37 +95,48 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 
 
 @triton.jit
-def _rope_kernel(q_out_ptr, k_out_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr,
-                 stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
-                 HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
-    t = tl.program_id(0)
-    h = tl.program_id(1)          # 0..HEADS-1: q's heads, then k's
-    offs = tl.arange(0, BLOCK)
-    ok = offs < HALF
-    if h < HEADS:
-        src = q_ptr + t * stride_qt + h * stride_qh
-        dst = q_out_ptr + (t * HEADS + h) * 2 * HALF
-    else:
-        src = k_ptr + t * stride_kt + (h - HEADS) * stride_kh
-        dst = k_out_ptr + (t * KV_HEADS + h - HEADS) * 2 * HALF
-    dtype = q_out_ptr.dtype.element_ty
-    x1 = tl.load(src + offs, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF + offs, mask=ok, other=0.0).to(tl.float32)
-    c1 = tl.load(cos_ptr + t * stride_ct + offs, mask=ok, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + t * stride_ct + HALF + offs, mask=ok, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + t * stride_st + offs, mask=ok, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + t * stride_st + HALF + offs, mask=ok, other=0.0).to(tl.float32)
+def _rope_heads(out_ptr, src_ptr, stride_h, c1, c2, s1, s2, offs, ok,
+                NUM: tl.constexpr, NUM_P2: tl.constexpr, HALF: tl.constexpr):
+    """One token's NUM heads (rows stride_h apart in src, packed in out), rotated."""
+    heads = tl.arange(0, NUM_P2)[:, None]
+    mask = (heads < NUM) & ok[None, :]
+    src = src_ptr + heads * stride_h + offs[None, :]
+    dst = out_ptr + heads * 2 * HALF + offs[None, :]
+    dtype = out_ptr.dtype.element_ty
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
     # x * cos + rotate_half(x) * sin, each product rounded as PyTorch's ops round them
     lo = (x1 * c1).to(dtype).to(tl.float32) + (-x2 * s1).to(dtype).to(tl.float32)
     hi = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
-    tl.store(dst + offs, lo.to(dtype), mask=ok)
-    tl.store(dst + HALF + offs, hi.to(dtype), mask=ok)
+    tl.store(dst, lo.to(dtype), mask=mask)
+    tl.store(dst + HALF, hi.to(dtype), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(q_out_ptr, k_out_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
+                 HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, KV_HEADS_P2: tl.constexpr,
+                 HALF: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)          # a token: its position's cos and sin read once for all its heads
+    offs = tl.arange(0, BLOCK)
+    ok = offs < HALF
+    c1 = tl.load(cos_ptr + t * stride_ct + offs, mask=ok, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + t * stride_ct + HALF + offs, mask=ok, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + t * stride_st + offs, mask=ok, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + t * stride_st + HALF + offs, mask=ok, other=0.0).to(tl.float32)[None, :]
+    _rope_heads(q_out_ptr + t * HEADS * 2 * HALF, q_ptr + t * stride_qt, stride_qh, c1, c2, s1, s2, offs, ok,
+                HEADS, HEADS_P2, HALF)
+    _rope_heads(k_out_ptr + t * KV_HEADS * 2 * HALF, k_ptr + t * stride_kt, stride_kh, c1, c2, s1, s2, offs, ok,
+                KV_HEADS, KV_HEADS_P2, HALF)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
          sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding of q [T, H, D] and k [T, KVH, D] (views into the QKV product are fine:
-    each head's D values must be contiguous) in one launch; cos/sin [T, D]."""
+    each head's D values must be contiguous) in one launch; cos/sin [T, D]. One program per token,
+    all its heads at once: a program per (token, head) re-read the token's cos and sin for each
+    head, and in Triton's CPU interpreter, where every program is Python, took a quarter of the
+    decode-graph tests' time."""
     T, H, D = q.shape
     KVH = k.shape[1]
     if q.stride(-1) != 1 or k.stride(-1) != 1:
@@ -135,9 +146,10 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     k_out = torch.empty((T, KVH, D), dtype=k.dtype, device=k.device)
     if T:
         half = D // 2
-        _rope_kernel[(T, H + KVH)](q_out, k_out, q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                                   cos.stride(0), sin.stride(0), HEADS=H, KV_HEADS=KVH, HALF=half,
-                                   BLOCK=_block(half), num_warps=1)
+        block = _block(half)
+        _rope_kernel[(T,)](q_out, k_out, q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                           cos.stride(0), sin.stride(0), HEADS=H, KV_HEADS=KVH, HEADS_P2=_block(H),
+                           KV_HEADS_P2=_block(KVH), HALF=half, BLOCK=block, num_warps=_warps(_block(H) * block))
     return q_out, k_out
 
 
