@@ -54,7 +54,7 @@ def load(name: str, cache_dir: Path | None = None) -> SimpleNamespace:
             raise ValueError("the cpu backend needs a cache folder for its build")
         own = [cpu.CpuKernels(cpu.library(cache_dir))]
     ops = {op: next((getattr(o, op) for o in own if hasattr(o, op)), getattr(reference, op)) for op in OPS}
-    fast_rows = next((o.FAST_ROWS for o in own if hasattr(o, "FAST_ROWS")), None)
+    fast_rows = next((o.fast_rows for o in own if hasattr(o, "fast_rows")), None)
     return SimpleNamespace(name=name, fast_rows=fast_rows, **ops)
 
 

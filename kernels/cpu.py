@@ -36,29 +36,18 @@ HEADERS = (Path(__file__).with_name("cpu_pool.h"),)
 # build here ran SiLU 5x faster and a 15-token slice's attention over 1,500 keys 25% faster (README).
 CODE_FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math")
 FLAGS = (*CODE_FLAGS, "-march=native", "-shared", "-fPIC")      # the library for this machine
-# Above this BLAS's matrix-matrix products win (measured, README), for fp32 and, on weights
-# unpacked slice by slice, for int8 and int4 too (int4's integer kernel up to 96 rows made
-# prompts of 48-96 tokens 0.64-0.87x as fast as fp32 on the default model, 2026-11-26), except
-# where the build's integer kernels say they go further (pd_quant_max_rows: the VNNI builds', all
-# the way).
-# Three AVX-512 vectors of rows (41-48 rows cost what 40 did).
-LINEAR_MAX_ROWS = 48
+# Up to a build's fast rows (pd_fast_rows: 48 with AVX-512, 128 on other x86 builds) a forward runs
+# in one C call; above them op by op, where BLAS's matrix-matrix products win (measured, README),
+# for fp32 and, on weights unpacked slice by slice, for int8 and int4 too (on AVX-512, int4's
+# integer kernel up to 96 rows made prompts of 48-96 tokens 0.64-0.87x as fast as fp32 on the
+# default model, 2026-11-26), except where the build's integer kernels say they go further
+# (pd_quant_max_rows: the VNNI builds', all the way).
 # Rows by which the fp32 products' cost rises (outer-product strips of 8, cpu_kernels.c): 41 rows
 # cost what 48 do, 17 what 24 do. The AVX-512 VNNI integer kernels take rows 16 at a time, so there
 # every other step of 8 costs nothing, which the step cost model's price per vector learns.
 ROW_GRANULE = 8
 UNPACK_FLOATS = 1 << 22    # quantized weights unpacked for BLAS this many at a time (16 MB, one buffer)
 QBLOCK = 64                # activation quantization block of the int8 product (cpu_kernels.c)
-
-
-def attention_in_c(query_len: int, context_len: int) -> bool:
-    """Whether the C kernel rather than flash SDPA attends for one sequence's share of a batch:
-    up to LINEAR_MAX_ROWS queries, over any context, so a batch of that many rows (decodes, a
-    verify, a prefill slice beside a stream) runs as one C call. Sequences of 4 or more queries go
-    by tiles of 16 (query, head) rows vectorized across the rows: alone, slower than flash SDPA
-    from ~32 queries over 1K keys, but a step in one call beats the op-by-op forward around SDPA
-    (a 32-token slice over 1K cached tokens: 86-105 vs 115-167 ms; README, 2026-11-26)."""
-    return query_len <= LINEAR_MAX_ROWS
 
 
 class KernelsUnavailable(RuntimeError):
@@ -170,6 +159,7 @@ _SIGNATURES = {
     "pd_linear_q4": ([_P, _P, _P, _P, _P, _I, _I, _I, _I], _I),
     "pd_unpack_q4": ([_P, _P, _P, _I, _I, _I], None),
     "pd_unpack_u8": ([_P, _P, _P, _I, _I, _I], None),
+    "pd_fast_rows": ([], _I),
     "pd_quant_max_rows": ([], _I),
     "pd_u8_dequant_rows": ([], _I),
     "pd_rms_norm": ([_P, _P, _P, _I, _I, _F, _I], None),
@@ -277,18 +267,18 @@ def _split_by_kernel(block_tables: torch.Tensor, context_lens: torch.Tensor, qle
 class CpuKernels:
     """The backend's functions bound to one build of the library.
 
-    About 260 lines on purpose: one short method per op of the backend interface that
+    About 270 lines on purpose: one short method per op of the backend interface that
     reference.py and triton_attention.py also implement (kernels/__init__.py), each checking that
     its tensors suit the C code and falling back to the reference otherwise; split, the one
     interface would be scattered over files."""
 
-    FAST_ROWS = FastRows(LINEAR_MAX_ROWS, ROW_GRANULE)    # a forward of up to this many rows can be one C call
-
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
+        # a forward of up to this many rows can be one C call; its products beat BLAS up to them
+        self.fast_rows = FastRows(lib.pd_fast_rows(), ROW_GRANULE)
         self.sliced = SlicedBlas()                  # quantized products of long prefills
         # rows up to which the C int8 and int4 products beat BLAS on unpacked weights
-        self.quant_max_rows = max(LINEAR_MAX_ROWS, lib.pd_quant_max_rows())
+        self.quant_max_rows = max(self.fast_rows.limit, lib.pd_quant_max_rows())
         self._split: tuple[torch.Tensor, list[KernelShare]] | None = None   # this forward's (paged_attention)
         self._tile_seconds: float | None = None     # the last forward's (tile_seconds)
         self._tile_clock = ctypes.c_double()        # what pd_layers adds them to (one, not one per step)
@@ -301,6 +291,16 @@ class CpuKernels:
                 return False
         return True
 
+    def attention_in_c(self, query_len: int) -> bool:
+        """Whether the C kernel rather than flash SDPA attends for one sequence's share of a batch:
+        up to the fast rows' queries, over any context, so a batch of that many rows (decodes, a
+        verify, a prefill slice beside a stream) runs as one C call. Sequences of 4 or more
+        queries go by tiles of 16 (query, head) rows vectorized across the rows: alone, slower
+        than flash SDPA from ~32 queries over 1K keys, but a step in one call beats the op-by-op
+        forward around SDPA (a 32-token slice over 1K cached tokens: 86-105 vs 115-167 ms; README,
+        2026-11-26)."""
+        return query_len <= self.fast_rows.limit
+
     @staticmethod
     def _rows(t: torch.Tensor) -> bool:
         """Rows of contiguous [.., D] blocks at any row stride (views into a fused projection)."""
@@ -308,7 +308,7 @@ class CpuKernels:
 
     # -- matrix products -------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.shape[0] > LINEAR_MAX_ROWS or not self._ok(x, weight, bias) or not x.is_contiguous():
+        if x.shape[0] > self.fast_rows.limit or not self._ok(x, weight, bias) or not x.is_contiguous():
             return reference.linear(x, weight, bias)
         y = x.new_empty(x.shape[0], weight.shape[0])
         if self.lib.pd_linear_f32(x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
@@ -447,18 +447,18 @@ class CpuKernels:
     def run_layers(self, plan: LayerPlan | None, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, batch) -> bool:
         """All blocks in one C call for batches whose every op the C kernels take: up to
-        LINEAR_MAX_ROWS tokens, attention in C for every sequence (decodes, verifies).
+        fast-rows tokens, attention in C for every sequence (decodes, verifies, slices).
 
         A forward starts here, so this also sets how the C pool waits between jobs until the next:
         spinning while this one call's kernels follow one another, asleep at once in an op-by-op
         forward, where OpenMP's threads (BLAS, SDPA) take turns with the pool: a spinning worker
         would take a core from them."""
         k_cache, v_cache = batch.k_cache, batch.v_cache
-        in_c = (plan is not None and x.shape[0] <= LINEAR_MAX_ROWS and plan.head_dim <= 512
+        in_c = (plan is not None and x.shape[0] <= self.fast_rows.limit and plan.head_dim <= 512
                 and self._ok(x, h, cos, sin, k_cache, v_cache)
                 and all(t.is_contiguous() for t in (x, h, cos, sin, k_cache, v_cache))
                 and batch.slot_mapping.dtype == torch.int64
-                and all(map(attention_in_c, batch.query_lens_host, batch.context_lens_host)))
+                and all(map(self.attention_in_c, batch.query_lens_host)))
         self.lib.pd_pool_spin(in_c)
         self._tile_seconds = None
         if not in_c:
@@ -504,7 +504,7 @@ class CpuKernels:
         qlens, clens = reference.host_lengths(query_start_loc, context_lens, query_lens_host, context_lens_host)
         fits = (q.shape[2] <= 512 and self._ok(q, k_cache, v_cache) and self._rows(q)
                 and k_cache.is_contiguous() and v_cache.is_contiguous())
-        in_c = [fits and attention_in_c(n, c) for n, c in zip(qlens, clens)]
+        in_c = [fits and self.attention_in_c(n) for n in qlens]
         if all(in_c):
             return self._attention_c(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale)
         if not any(in_c):

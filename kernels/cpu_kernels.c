@@ -2196,6 +2196,26 @@ void pd_paged_attention(const float *q, int64_t q_stride, const float *k_cache, 
 /* How pd_layers' quantized weights are stored (dims[6]); a NULL scales pointer means fp32. */
 enum { PD_WEIGHTS_INT8 = 1, PD_WEIGHTS_INT4 = 2 };
 
+/* The most rows a forward runs as one pd_layers call (products and attention in C); past them it
+ * goes op by op, the products on BLAS. AVX-512 builds: 48, three vectors of 16 rows (41-48 rows
+ * cost what 40 did; measured 2026-11-26). 256-bit x86 builds: 128. BLAS at a few dozen rows
+ * repacks each weight matrix per product, and op by op a 49-token prompt cost 1.7x a 48-token one.
+ * On a 2-core AMD EPYC (Zen 3, AVX2 only; the default model, 2026-11-28; one engine, the limit
+ * switched round by round, six rounds) a lone prompt's first token in one call against op by op:
+ * fp32 157 vs 246 ms at 56 tokens, 174 vs 271 at 64, 259 vs 345 at 96, 364 vs 456 at 128 (the same
+ * path at 32, 48, 129 and 160 tokens read 0.92-1.09x, the noise); int8 1.62-1.91x and int4
+ * 1.25-1.55x at 64-128 tokens. Beside a stream, fixed chunks of 120 tokens of a 1,728-token
+ * prompt took 6.4 s in all against 8.7 (the C attention over 1,700 keys slower than flash SDPA,
+ * the step still faster). Past ~150 tokens BLAS is as fast. Other targets (NEON, portable) keep
+ * 48: not measured. */
+int pd_fast_rows(void) {
+#if defined(__x86_64__) && defined(__AVX2__) && !defined(__AVX512F__)
+    return 128;
+#else
+    return 48;
+#endif
+}
+
 /* The most activation rows for which pd_linear_u8 and pd_linear_q4 beat BLAS on
  * weights unpacked to fp32; 0: the caller's own limit. The outer-product kernels, by chunks of K
  * (2026-11-26, 1B shape's products): AVX-512 VNNI int8 1.0-1.3x MKL's fp32 from 128 to 1,024

@@ -23,7 +23,8 @@ def rand(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 6, 8, 9, 24, 40, cpu.LINEAR_MAX_ROWS])
+# 48 and 128: the fast rows of AVX-512 and of 256-bit x86 builds (pd_fast_rows); past them BLAS
+@pytest.mark.parametrize("rows", [1, 3, 6, 8, 9, 24, 40, 48, 64, 128])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("width", [192, 197])     # 197: the transposition's k past its blocks of 8
 def test_linear_matches_reference(ops, rows, bias, width):
@@ -32,7 +33,7 @@ def test_linear_matches_reference(ops, rows, bias, width):
     torch.testing.assert_close(ops.linear(x, w, b), reference.linear(x, w, b), **TOL)
 
 
-@pytest.mark.parametrize("rows", [41, cpu.LINEAR_MAX_ROWS])
+@pytest.mark.parametrize("rows", [41, 48])
 def test_48_rows_give_the_same_sums_in_one_strip_or_three(ops, rows):
     """pd_outer_choose picks by time how 48 rows go; either way each sum adds its k in order, so
     the choice changes the speed and never a bit of the result."""
@@ -57,22 +58,33 @@ def test_a_row_gets_the_same_sums_whatever_strips_its_product_takes(ops):
     """From a few rows (OUTER_MIN_ROWS in cpu_kernels.c, 5 at most) the product goes by strips of
     8, 16, 24, 32 or 48 rows as the row count makes them; each sum adds its k in order in any strip,
     so a row's result does not depend on how many rows share its step (a prompt slice of any
-    size, any number of streams beside it)."""
-    x, w, b = rand(cpu.LINEAR_MAX_ROWS, 192), rand(81, 192, seed=1), rand(81, seed=2)
+    size, any number of streams beside it), up to the build's fast rows."""
+    limit = ops.fast_rows.limit
+    x, w, b = rand(limit, 192), rand(81, 192, seed=1), rand(81, seed=2)
     whole = ops.linear(x, w, b)
-    for rows in range(5, cpu.LINEAR_MAX_ROWS):
+    for rows in range(5, limit):
         assert torch.equal(ops.linear(x[:rows], w, b), whole[:rows]), rows
 
 
-def test_linear_beyond_small_batches_is_blas(ops):
-    x, w = rand(cpu.LINEAR_MAX_ROWS + 1, 64), rand(32, 64, seed=1)
+def test_the_fast_rows_follow_the_build(ops):
+    """One C call up to 48 rows with AVX-512 (three vectors of 16) and on targets not measured,
+    128 on x86 builds of 256-bit vectors, where BLAS at a few dozen rows was far slower (README)."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    flags = cpu.cpu_flags()
+    wide = x86 and "avx2" in flags and "avx512f" not in flags
+    assert ops.fast_rows == kernels.FastRows(128 if wide else 48, cpu.ROW_GRANULE)
+    assert ops.quant_max_rows >= ops.fast_rows.limit
+
+
+def test_linear_beyond_the_fast_rows_is_blas(ops):
+    x, w = rand(ops.fast_rows.limit + 1, 64), rand(32, 64, seed=1)
     assert torch.equal(ops.linear(x, w), reference.linear(x, w))
 
 
 # 1 and 5: dot-product kernels; 16 and 33: the outer-product one on AVX-512 VNNI and AVX-VNNI,
-# on AVX2 the fp32 one on unpacked weights; 45: the integer one on AVX-512 VNNI, unpacked weights
-# and BLAS elsewhere; 300: BLAS everywhere.
-@pytest.mark.parametrize("rows", [1, 5, 16, 33, cpu.LINEAR_MAX_ROWS + 5, 300])
+# on AVX2 the fp32 one on unpacked weights; 53: the integer one on AVX-512 VNNI, BLAS on unpacked
+# weights on other AVX-512 builds, as 33 elsewhere; 133 and 300: past every build's fast rows.
+@pytest.mark.parametrize("rows", [1, 5, 16, 33, 53, 133, 300])
 def test_int8_product_is_as_exact_as_fp32_activations(ops, rows):
     w = rand(96, 256, seed=3) * torch.linspace(0.1, 4, 96)[:, None]
     q, scales = quantize(w)
@@ -150,7 +162,7 @@ def test_int4_round_trip_is_within_half_a_step_of_each_group():
 
 
 # whole tiles of 4 rows and ragged ends; from 8 rows the outer-product kernel on (AVX-512) VNNI
-@pytest.mark.parametrize("rows", [1, 4, 5, 7, 8, 17, 33, cpu.LINEAR_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 4, 5, 7, 8, 17, 33, 48, 128])
 def test_int4_product_is_exact_integer_arithmetic(ops, rows):
     w = rand(80, 320, seed=3) * torch.linspace(0.1, 4, 80)[:, None]
     packed, params = quantize4(w)
@@ -212,15 +224,16 @@ def quantized_product(ops, fmt: str, w: torch.Tensor, bias: torch.Tensor):
     return (lambda v: ops.linear_int4(v, packed, params, bias)), packed, params
 
 
-@pytest.mark.parametrize("rows,width", [(8, 320), (17, 320), (cpu.LINEAR_MAX_ROWS, 320), (cpu.LINEAR_MAX_ROWS, 16384)])
+@pytest.mark.parametrize("rows,width", [(8, 320), (17, 320), ("fast", 320), ("fast", 16384)])
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_a_prefill_slice_gets_the_numbers_of_its_rows_one_by_one(ops, fmt, rows, width):
-    """Up to LINEAR_MAX_ROWS (48) the builds multiply quantized weights in integers, by whichever kernel suits
+    """Up to the build's fast rows ("fast": all of them) the builds multiply quantized weights in integers, by whichever kernel suits
     the row count (AVX-512 VNNI and AVX-VNNI: an outer-product one from 8 rows, which at 16,384
     wide takes the rows in two panels): the same quantized activations and exact integer sums as a
     decode's, so a prompt slice and the same tokens decoded one at a time agree to float rounding.
     AVX2's int8 from pd_u8_dequant_rows() on multiplies fp32 activations instead (its integer
     product is slower than fp32 there): exact to fp32, the decode within its ~1e-5."""
+    rows = ops.fast_rows.limit if rows == "fast" else rows
     w = rand(37, width, seed=21) * torch.linspace(0.1, 2, 37)[:, None] * 0.05    # 37: a ragged tile
     x, bias = rand(rows, width, seed=22), rand(37, seed=23)
     x[:, 5] *= 40
@@ -376,7 +389,7 @@ def test_tiled_attention_over_full_key_tiles_matches_reference(ops, block_size, 
     # Blocks of 16 keys or more give the tile kernel full tiles (its unrolled path); a prefill
     # slice over a long cached prefix, a short prompt from scratch, a decode and a 4-query verify.
     qlens, clens = [37, 6, 1, 4], [300, 6, 50, 77]
-    assert all(cpu.attention_in_c(n, c) for n, c in zip(qlens, clens))
+    assert all(map(ops.attention_in_c, qlens))
     check_attention(ops, qlens, clens, kv_heads, group, head_dim, block_size=block_size)
 
 
@@ -437,8 +450,8 @@ def test_a_slice_split_by_keys_over_two_threads_matches_reference(ops, qlens, cl
 
 
 def test_long_query_runs_go_to_flash_sdpa(ops):
-    qlens = [64]
-    assert not cpu.attention_in_c(64, 64)
+    qlens = [ops.fast_rows.limit + 16]
+    assert not ops.attention_in_c(qlens[0])
     batch = Batch(qlens, qlens, 1, 2, 16, block_size=8, dtype=torch.float32)
     out = ops.paged_attention(*batch.args("cpu"), 0.25)
     assert torch.equal(out, batch.expected(0.25))
@@ -446,16 +459,17 @@ def test_long_query_runs_go_to_flash_sdpa(ops):
 
 def test_mixed_step_sends_each_sequence_to_its_kernel(ops):
     # decodes (C), a long chunk (SDPA), a verify (C), a verify over a long context (C, by tiles)
-    qlens, clens = [1, 64, 4, 1, 9], [30, 300, 90, 7, 1900]
-    assert [cpu.attention_in_c(n, c) for n, c in zip(qlens, clens)] == [True, False, True, True, True]
+    qlens, clens = [1, ops.fast_rows.limit + 16, 4, 1, 9], [30, 300, 90, 7, 1900]
+    assert list(map(ops.attention_in_c, qlens)) == [True, False, True, True, True]
     batch = Batch(qlens, clens, 2, 3, 32, block_size=8, dtype=torch.float32)
     out = ops.paged_attention(*batch.args("cpu"), 0.2, query_lens_host=qlens, context_lens_host=clens)
     torch.testing.assert_close(out, batch.expected(0.2), **TOL)
 
 
 @pytest.mark.parametrize("qlens, clens", [
-    ([1, 1, 2, 64], [30, 7, 90, 300]),        # decodes then a chunk: each kernel's rows are one run
-    ([64, 1, 300, 1], [300, 30, 1200, 7]),    # interleaved: the rows are gathered
+    ([1, 1, 2, 144], [30, 7, 90, 300]),       # decodes then a chunk: each kernel's rows are one run
+    ([144, 1, 300, 1], [300, 30, 1200, 7]),   # interleaved: the rows are gathered (144: past every
+                                              # build's fast rows)
 ])
 def test_mixed_step_rows_in_one_run_or_interleaved(ops, qlens, clens):
     batch = Batch(qlens, clens, 2, 3, 32, block_size=8, dtype=torch.float32)

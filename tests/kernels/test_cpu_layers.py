@@ -64,11 +64,24 @@ def test_one_call_forward_matches_op_by_op(engine, monkeypatch, quant):
     assert calls == [True, True]
 
 
+def past_the_fast_rows(engine) -> tuple[list[Work], list[list[int]]]:
+    """A prompt of more rows than one C call takes (the build's fast rows), and its last row."""
+    n = engine.runner.model.ops.fast_rows.limit + 2
+    blocks = -(-n // engine.blocks.block_size)
+    return [Work(list(range(n)), 0, list(range(1, blocks + 1)))], [[n - 1]]
+
+
+def test_a_prompt_of_all_the_fast_rows_runs_in_one_call(engine, monkeypatch):
+    calls = spy_on_layers(engine, monkeypatch)
+    (work,), _ = past_the_fast_rows(engine)
+    n = len(work.tokens) - 2
+    logits = engine.runner.forward([Work(work.tokens[:n], 0, work.block_table)], [[n - 1]])
+    assert calls == [True] and logits.isfinite().all()
+
+
 def test_batches_beyond_the_c_code_run_op_by_op(engine, monkeypatch):
     calls = spy_on_layers(engine, monkeypatch)
-    long_prompt = list(range(50))                 # more rows than the C products take
-    runner = engine.runner
-    logits = runner.forward([Work(long_prompt, 0, [1, 2, 3, 4, 5, 6, 7])], [[49]])
+    logits = engine.runner.forward(*past_the_fast_rows(engine))
     assert calls == [False] and logits.isfinite().all()
 
 
@@ -110,7 +123,7 @@ def test_the_pool_spins_only_through_a_one_call_forward(engine, monkeypatch):
     calls = spy_on_layers(engine, monkeypatch)
     runner = engine.runner
     runner.forward([Work([3, 4, 5], 0, [1])], [[2]])                          # one C call
-    runner.forward([Work(list(range(50)), 0, [1, 2, 3, 4, 5, 6, 7])], [[49]])   # op by op (50 rows)
+    runner.forward(*past_the_fast_rows(engine))                                # op by op
     assert calls == [True, False] and told == [True, False]
 
 
@@ -120,7 +133,7 @@ def test_the_one_call_forward_times_the_attention_of_sequences_of_several_querie
     assert ops.tile_seconds() > 0
     runner.forward([Work([9], 7, [3])], [[0]])                          # a decode: no tiles
     assert ops.tile_seconds() == 0.0
-    runner.forward([Work(list(range(50)), 0, [1, 2, 3, 4, 5, 6, 7])], [[49]])   # op by op: not timed
+    runner.forward(*past_the_fast_rows(engine))                         # op by op: not timed
     assert ops.tile_seconds() is None
 
 
