@@ -2198,19 +2198,18 @@ enum { PD_WEIGHTS_INT8 = 1, PD_WEIGHTS_INT4 = 2 };
 
 /* The most rows a forward runs as one pd_layers call (products and attention in C); past them it
  * goes op by op, the products on BLAS. AVX-512 builds: 48, three vectors of 16 rows (41-48 rows
- * cost what 40 did; measured 2026-11-26). 256-bit x86 builds: 128. BLAS at a few dozen rows
- * repacks each weight matrix per product, and op by op a 49-token prompt cost 1.7x a 48-token one.
- * On a 2-core AMD EPYC (Zen 3, AVX2 only; the default model, 2026-11-28; one engine, the limit
- * switched round by round, six rounds) a lone prompt's first token in one call against op by op:
- * fp32 157 vs 246 ms at 56 tokens, 174 vs 271 at 64, 259 vs 345 at 96, 364 vs 456 at 128 (the same
- * path at 32, 48, 129 and 160 tokens read 0.92-1.09x, the noise); int8 1.62-1.91x and int4
- * 1.25-1.55x at 64-128 tokens. Beside a stream, fixed chunks of 120 tokens of a 1,728-token
- * prompt took 6.4 s in all against 8.7 (the C attention over 1,700 keys slower than flash SDPA,
- * the step still faster). Past ~150 tokens BLAS is as fast. Other targets (NEON, portable) keep
- * 48: not measured. */
+ * cost what 40 did; measured 2026-11-26). 256-bit x86 builds: 144, a 128-token chunk beside up
+ * to 16 streams. BLAS at a few dozen rows repacks each weight matrix per product, and op by op a
+ * 49-token prompt cost 1.7x a 48-token one. On a 2-core AMD EPYC (Zen 3, AVX2 only; the default
+ * model, 2026-11-28; one engine, the limit switched round by round, six rounds, medians) a lone
+ * prompt's first token in one call against op by op: fp32 157 vs 246 ms at 56 tokens, 174 vs 271
+ * at 64, 259 vs 345 at 96, 364 vs 456 at 128, 1.12-1.18x at 136-144 (the same path at 32, 48, 129
+ * and 160 tokens read 0.92-1.09x, the noise); int8 1.62-1.91x and int4 1.25-1.55x at 64-128
+ * tokens. Past ~150 tokens BLAS is as fast. Other targets (NEON, portable) keep 48: not
+ * measured. */
 int pd_fast_rows(void) {
 #if defined(__x86_64__) && defined(__AVX2__) && !defined(__AVX512F__)
-    return 128;
+    return 144;
 #else
     return 48;
 #endif

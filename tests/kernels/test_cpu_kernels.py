@@ -23,8 +23,8 @@ def rand(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-# 48 and 128: the fast rows of AVX-512 and of 256-bit x86 builds (pd_fast_rows); past them BLAS
-@pytest.mark.parametrize("rows", [1, 3, 6, 8, 9, 24, 40, 48, 64, 128])
+# 48 and 144: the fast rows of AVX-512 and of 256-bit x86 builds (pd_fast_rows); past them BLAS
+@pytest.mark.parametrize("rows", [1, 3, 6, 8, 9, 24, 40, 48, 64, 144, 145])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("width", [192, 197])     # 197: the transposition's k past its blocks of 8
 def test_linear_matches_reference(ops, rows, bias, width):
@@ -68,11 +68,11 @@ def test_a_row_gets_the_same_sums_whatever_strips_its_product_takes(ops):
 
 def test_the_fast_rows_follow_the_build(ops):
     """One C call up to 48 rows with AVX-512 (three vectors of 16) and on targets not measured,
-    128 on x86 builds of 256-bit vectors, where BLAS at a few dozen rows was far slower (README)."""
+    144 on x86 builds of 256-bit vectors, where BLAS at a few dozen rows was far slower (README)."""
     x86 = platform.machine().lower() in ("x86_64", "amd64")
     flags = cpu.cpu_flags()
     wide = x86 and "avx2" in flags and "avx512f" not in flags
-    assert ops.fast_rows == kernels.FastRows(128 if wide else 48, cpu.ROW_GRANULE)
+    assert ops.fast_rows == kernels.FastRows(144 if wide else 48, cpu.ROW_GRANULE)
     assert ops.quant_max_rows >= ops.fast_rows.limit
 
 
@@ -83,8 +83,8 @@ def test_linear_beyond_the_fast_rows_is_blas(ops):
 
 # 1 and 5: dot-product kernels; 16 and 33: the outer-product one on AVX-512 VNNI and AVX-VNNI,
 # on AVX2 the fp32 one on unpacked weights; 53: the integer one on AVX-512 VNNI, BLAS on unpacked
-# weights on other AVX-512 builds, as 33 elsewhere; 133 and 300: past every build's fast rows.
-@pytest.mark.parametrize("rows", [1, 5, 16, 33, 53, 133, 300])
+# weights on other AVX-512 builds, as 33 elsewhere; 153 and 300: past every build's fast rows.
+@pytest.mark.parametrize("rows", [1, 5, 16, 33, 53, 153, 300])
 def test_int8_product_is_as_exact_as_fp32_activations(ops, rows):
     w = rand(96, 256, seed=3) * torch.linspace(0.1, 4, 96)[:, None]
     q, scales = quantize(w)
@@ -162,7 +162,7 @@ def test_int4_round_trip_is_within_half_a_step_of_each_group():
 
 
 # whole tiles of 4 rows and ragged ends; from 8 rows the outer-product kernel on (AVX-512) VNNI
-@pytest.mark.parametrize("rows", [1, 4, 5, 7, 8, 17, 33, 48, 128])
+@pytest.mark.parametrize("rows", [1, 4, 5, 7, 8, 17, 33, 48, 144])
 def test_int4_product_is_exact_integer_arithmetic(ops, rows):
     w = rand(80, 320, seed=3) * torch.linspace(0.1, 4, 80)[:, None]
     packed, params = quantize4(w)
@@ -467,8 +467,8 @@ def test_mixed_step_sends_each_sequence_to_its_kernel(ops):
 
 
 @pytest.mark.parametrize("qlens, clens", [
-    ([1, 1, 2, 144], [30, 7, 90, 300]),       # decodes then a chunk: each kernel's rows are one run
-    ([144, 1, 300, 1], [300, 30, 1200, 7]),   # interleaved: the rows are gathered (144: past every
+    ([1, 1, 2, 160], [30, 7, 90, 300]),       # decodes then a chunk: each kernel's rows are one run
+    ([160, 1, 300, 1], [300, 30, 1200, 7]),   # interleaved: the rows are gathered (160: past every
                                               # build's fast rows)
 ])
 def test_mixed_step_rows_in_one_run_or_interleaved(ops, qlens, clens):
