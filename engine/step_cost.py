@@ -35,8 +35,9 @@ vector not measured yet is priced as the one before it.
 Two fits: prompt slices beside decoding streams (what the budget sizes), and prompts prefilled
 with no stream to protect (whole, and the prefill progress's estimate) or in steps past the
 kernels' fast path (a fixed chunk). They run on different paths at different efficiency (a CPU: a
-slice of up to 48 rows as one C call; a whole prompt on BLAS and flash attention, half the cost
-per token): one fit of both sized the first slices after a long lone prompt twice too large.
+slice within the fast rows, 48 or 144, as one C call; a whole prompt on BLAS and flash attention,
+half the cost per token): one fit of both sized the first slices after a long lone prompt twice
+too large.
 
 One fixed cost is known rather than fitted: where decode steps replay a CUDA graph while steps
 with prompt tokens run op by op (a GPU), the latter pay the launches the graph saves, about ten
