@@ -64,19 +64,25 @@ def test_one_call_forward_matches_op_by_op(engine, monkeypatch, quant):
     assert calls == [True, True]
 
 
-def past_the_fast_rows(engine) -> tuple[list[Work], list[list[int]]]:
-    """A prompt of more rows than one C call takes (the build's fast rows), and its last row."""
-    n = engine.runner.model.ops.fast_rows.limit + 2
+def a_prompt(engine, n: int) -> tuple[list[Work], list[list[int]]]:
+    """A prompt of n tokens from scratch in blocks 1, 2, ..., and its last row."""
     blocks = -(-n // engine.blocks.block_size)
     return [Work(list(range(n)), 0, list(range(1, blocks + 1)))], [[n - 1]]
 
 
-def test_a_prompt_of_all_the_fast_rows_runs_in_one_call(engine, monkeypatch):
+def past_the_fast_rows(engine) -> tuple[list[Work], list[list[int]]]:
+    """A prompt of more rows than one C call takes (the build's fast rows)."""
+    return a_prompt(engine, engine.runner.model.ops.fast_rows.limit + 2)
+
+
+@pytest.mark.parametrize("quant", ["none", "int8", "int4"])
+def test_a_prompt_of_all_the_fast_rows_is_one_call_with_the_op_by_op_numbers(engine, monkeypatch, quant):
+    engine.update(quant=quant)
     calls = spy_on_layers(engine, monkeypatch)
-    (work,), _ = past_the_fast_rows(engine)
-    n = len(work.tokens) - 2
-    logits = engine.runner.forward([Work(work.tokens[:n], 0, work.block_table)], [[n - 1]])
-    assert calls == [True] and logits.isfinite().all()
+    items, rows = a_prompt(engine, engine.runner.model.ops.fast_rows.limit)
+    _, (fused, k1, v1), (plain, k2, v2) = both_paths(engine, monkeypatch, items, rows)
+    assert calls == [True]
+    assert torch.equal(fused, plain) and torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
 def test_batches_beyond_the_c_code_run_op_by_op(engine, monkeypatch):
