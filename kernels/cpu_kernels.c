@@ -2205,7 +2205,7 @@ enum { PD_WEIGHTS_INT8 = 1, PD_WEIGHTS_INT4 = 2 };
  * prompt's first token in one call against op by op: fp32 157 vs 246 ms at 56 tokens, 174 vs 271
  * at 64, 259 vs 345 at 96, 364 vs 456 at 128, 1.12-1.18x at 136-144 (the same path at 32, 48, 129
  * and 160 tokens read 0.92-1.09x, the noise); int8 1.62-1.91x and int4 1.25-1.55x at 64-128
- * tokens. Past ~150 tokens BLAS is as fast. Other targets (NEON, portable) keep 48: not
+ * tokens. Past ~150 tokens BLAS is as fast. Other targets (Arm, x86 without AVX2) keep 48: not
  * measured. */
 int pd_fast_rows(void) {
 #if defined(__x86_64__) && defined(__AVX2__) && !defined(__AVX512F__)
