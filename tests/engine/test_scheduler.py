@@ -679,20 +679,19 @@ def test_beside_48_decodes_the_fast_rows_are_full_and_a_prompt_still_moves_one_t
     assert [i.num_tokens for i in plan.items] == [1] * 49 and plan.items[-1].seq.request_id == "new"
 
 
-def test_a_slice_capped_below_the_best_width_takes_the_best_of_the_widths_allowed():
-    # A machine whose second vector is dear and third cheap: the fit remembers three-vector
-    # slices, but after ten slices of one the step may grow to two vectors only. Of one and two,
-    # one prefills the most per second (three would beat both, and cut to two it would be worst).
+def test_a_slice_capped_below_the_best_width_takes_the_widest_allowed():
+    # The fit remembers three-vector slices, and three prefill the most per second of the step;
+    # after ten slices of one the step may grow to two vectors only, and two is what it takes.
     cost = StepCost(pair_ratio=1e-4, fast_rows=CPU_ROWS)
     for _ in range(5):
         cost.record_decode(0.025)
     for n in [15, 31, 47] * 3 + [15] * 10:
         split = vector_split(n, 1, 16, 3)
-        price = sum(p * c for p, c in zip((0.5e-3, 3e-3, 0.5e-3), split))
+        price = sum(p * c for p, c in zip((0.5e-3, 0.8e-3, 1.0e-3), split))
         cost.record_prefill(n, attention_pairs(100, n), True, 0.025 + price, other_rows=1)
     sched = make_scheduler(BlockManager(512, 16, prefix_cache=False), cost, step_budget=4.0, max_num_seqs=8,
                            chunk_size="auto")
     _stream_beside(sched)
     sched.add(seq("new", 500, 1000))
     assert cost.slice_rows_cap(1) == 32 and cost.tokens_within(cost.prompt_seconds(4.0), 0, other_rows=1) == 47
-    assert planned(sched.schedule()) == [("stream", 1), ("new", 15)]
+    assert planned(sched.schedule()) == [("stream", 1), ("new", 31)]

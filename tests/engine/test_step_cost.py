@@ -183,6 +183,37 @@ def test_a_vector_measured_once_is_priced_as_its_neighbour_again_after_a_while()
     assert cost.coefficients().vectors[1] > 1.85e-3          # and a new measurement takes over
 
 
+def test_a_wide_step_that_ran_fast_does_not_make_wider_steps_look_cheap():
+    # Slices of 15 tokens beside a decode (vectors of 8: the first two, always split 7 and 8, so
+    # the fit cannot tell them apart), then one of 31 whose last two vectors ran at a quarter of
+    # the price. Fitted freely the third and fourth were priced at 0.6 and 0.23 ms a token, the
+    # never measured fifth and sixth as the fourth, and 47 tokens predicted at 35 ms where 15
+    # take 22.5: a budget of 40 ms would have planned the 47 (the 64-row step planned at 107 ms
+    # that took 170 on a 2-core AMD EPYC).
+    cost = StepCost(pair_ratio=1e-3, fast_rows=FastRows(48, 8))
+    cost.record_decode(0.03)
+    for _ in range(12):
+        cost.record_prefill(15, 0, True, 0.03 + 15 * 1.5e-3, 1, 0.0)
+    cost.record_prefill(31, 0, True, 0.03 + 15 * 1.5e-3 + 16 * 0.4e-3, 1, 0.0)
+    for _ in range(2):
+        cost.record_prefill(15, 0, True, 0.03 + 15 * 1.5e-3, 1, 0.0)
+    prices = cost.coefficients().vectors
+    assert all(a <= b for a, b in zip(prices, prices[1:]))
+    at = {n: cost.prefill_seconds(0, n, other_rows=1) for n in (15, 31, 47)}
+    assert at[47] - at[31] >= at[31] - at[15] > 0.015
+    assert at[15] == pytest.approx(15 * 1.5e-3, rel=0.1)          # what was measured still holds
+    assert cost.tokens_within(0.04, 0, other_rows=1) == 23     # three vectors with the decode's row, not six
+
+
+def test_prices_out_of_order_are_pooled_by_their_data_until_none_falls():
+    from pdchat.engine.step_cost import _non_decreasing
+    assert _non_decreasing([1.0, 2.0, 3.0], [1.0, 1.0, 1.0]) == [1.0, 2.0, 3.0]
+    assert _non_decreasing([2.0, 1.0], [3.0, 1.0]) == [pytest.approx(1.75)] * 2      # weighted by its data
+    # A pool that falls below the price before it takes that one in too.
+    assert _non_decreasing([2.0, 3.0, 0.5], [1.0, 1.0, 1.0]) == [pytest.approx(5.5 / 3)] * 3
+    assert _non_decreasing([1.0, 0.2, 4.0], [1.0, 0.0, 1.0]) == [1.0, 1.0, 4.0]      # one never measured
+
+
 def test_a_whole_prompt_is_charged_by_its_tokens_whatever_the_vectors():
     cost = StepCost(pair_ratio=1e-4, fast_rows=FastRows(48, 16))   # (BLAS takes it, not the vector kernels)
     for n in (17, 100, 250, 1000, 33):
