@@ -326,10 +326,11 @@ def _non_decreasing(prices: list[float], weights: list[float]) -> list[float]:
     next to nothing. On a 2-core AMD EPYC (AVX2, 2026-11-28) a fit priced a step's first four
     vectors at 2.78, 0.0, 2.83 and 1.16 ms a token and planned 48 rows with them; in other runs
     (budget 3.5) steps of 48, 56 and 64 rows planned at 127, 121 and 107 ms took 149, 176 and 170,
-    each its run's worst gap (4.0-5.3x the stream's TPOT). In one engine (budget 3), six rounds each way, the widest steps took up to 1.94x their
-    plan with the prices free and 1.19x with them ordered (eight more rounds: 1.16 and 1.26, no
-    stray prices). A pooled run of vectors keeps the total its data measured; one never measured
-    (weight ~0) takes its neighbour's price."""
+    each its run's worst gap (4.0-5.3x the stream's TPOT). In one engine (budget 3), six rounds
+    each way, the widest steps took up to 1.94x their plan with the prices free and 1.19x with
+    them ordered (eight more rounds: 1.16 and 1.26, no stray prices). A pooled run of vectors
+    keeps the total its data measured; one never measured (weight ~0) takes its neighbour's
+    price."""
     pools: list[tuple[float, float, int]] = []          # (price, weight, vectors)
     for price, weight in zip(prices, weights):
         pool = (price, weight + 1e-30, 1)
