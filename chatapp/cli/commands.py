@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Callable
 
@@ -112,6 +113,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    # The app's UI thread shares the cores with the model. OpenMP's workers spin after each of
+    # their parallel ops (the sampler's, a long prompt's products) by default, and there one took a
+    # fifth of a core from the model's kernels and the UI: a sampled reply decoded at a TPOT of
+    # 55-60 ms where it took 48-53 with them waiting asleep (2-core AMD EPYC, AVX2, 2026-11-28;
+    # `pdchat run` 39-40 ms). OpenMP reads the setting when torch loads it, after this (the engine
+    # loads in the app); a user's own setting wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from pdchat.chatapp.tui.app import run_app
     return run_app(given(args, ENGINE_FLAGS), given(args, SETTINGS_FLAGS), backend=args.backend)
 

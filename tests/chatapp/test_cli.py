@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 import time
@@ -156,3 +157,22 @@ def test_version(capsys):
     assert e.value.code == 0
     assert capsys.readouterr().out.strip() == f"pdchat {version('pdchat')}"
     assert main(["--version"]) == 0
+
+
+_CHAT_SEES = """
+import os, sys
+import pdchat.chatapp.tui.app as app
+app.run_app = lambda *args, **kwargs: print(os.environ.get("OMP_WAIT_POLICY"), "torch" in sys.modules) or 0
+from pdchat.chatapp.cli.main import main
+sys.exit(main([]))
+"""
+
+
+@pytest.mark.parametrize("given, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_the_chat_sets_openmp_to_wait_asleep_before_torch_loads_unless_the_user_chose(given, expected):
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given:
+        env["OMP_WAIT_POLICY"] = given
+    proc = subprocess.run([sys.executable, "-c", _CHAT_SEES], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [expected, "False"]       # set, and OpenMP not loaded yet to read it
