@@ -36,12 +36,12 @@ HEADERS = (Path(__file__).with_name("cpu_pool.h"),)
 # build here ran SiLU 5x faster and a 15-token slice's attention over 1,500 keys 25% faster (README).
 CODE_FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math")
 FLAGS = (*CODE_FLAGS, "-march=native", "-shared", "-fPIC")      # the library for this machine
-# Up to a build's fast rows (pd_fast_rows: 48 with AVX-512, 144 on other x86 builds with AVX2) a forward runs
-# in one C call; above them op by op, where BLAS's matrix-matrix products win (measured, README),
-# for fp32 and, on weights unpacked slice by slice, for int8 and int4 too (on AVX-512, int4's
-# integer kernel up to 96 rows made prompts of 48-96 tokens 0.64-0.87x as fast as fp32 on the
-# default model, 2026-11-26), except where the build's integer kernels say they go further
-# (pd_quant_max_rows: the VNNI builds', all the way).
+# Up to a build's fast rows (pd_fast_rows: 48 with AVX-512, 144 on other x86 builds with AVX2) a
+# forward runs in one C call; above them op by op, where BLAS's matrix-matrix products win
+# (measured, README), for fp32 and, on weights unpacked slice by slice, for int8 and int4 too (on
+# AVX-512, int4's integer kernel up to 96 rows made prompts of 48-96 tokens 0.64-0.87x as fast as
+# fp32 on the default model, 2026-11-26), except where the build's integer kernels say they go
+# further (pd_quant_max_rows: the VNNI builds', all the way).
 # Rows by which the fp32 products' cost rises (outer-product strips of 8, cpu_kernels.c): 41 rows
 # cost what 48 do, 17 what 24 do. The AVX-512 VNNI integer kernels take rows 16 at a time, so there
 # every other step of 8 costs nothing, which the step cost model's price per vector learns.
