@@ -16,6 +16,10 @@ from tests.greedy import disagreements
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
+# Off a GPU, the tests of the graphs' own bookkeeping run on torch's kernels: in Triton's
+# interpreter they took a minute and a half of the suite. The tests of what the kernels must do
+# inside a graph (padding rows, the int8 product) keep the Triton kernels everywhere.
+BOOKKEEPING_KERNELS = "triton" if GPU else "torch"
 PROMPTS = ["hello there", "a longer prompt with more words in it", "x"]
 
 
@@ -38,11 +42,11 @@ def test_buffers_start_as_padding_and_views_share_addresses() -> None:
     assert v.query_start_loc.tolist() == [0, 1, 2, 3, 4] and v.block_tables.shape == (4, 3)
 
 
-def _engine(graph=None, **kw) -> Engine:
-    """An engine on the Triton kernels; its graphs are real on a GPU, else the CPU double (or
-    `graph`, anywhere)."""
+def _engine(graph=None, kernels: str = "triton", **kw) -> Engine:
+    """An engine on `kernels`; its graphs are real on a GPU, else the CPU double (or `graph`,
+    anywhere)."""
     # A short context keeps the fixed attention splits few (the interpreter runs every program).
-    engine = Engine(model="random:tiny", device=DEVICE, kernels="triton", dtype="float32", telemetry=False,
+    engine = Engine(model="random:tiny", device=DEVICE, kernels=kernels, dtype="float32", telemetry=False,
                     kv_cache_mb=4, max_num_seqs=4, max_model_len=512, **kw)
     if graph is not None or not GPU:
         engine.runner.use_graphs(engine.settings.notices, new_graph=graph or EagerGraph)
@@ -83,7 +87,7 @@ def test_greedy_rows_take_the_token_their_replay_picked_and_sampled_rows_still_s
     monkeypatch.setattr(sampler, "greedy", lambda logits: picked.append(logits.shape[0]) or real_greedy(logits))
     monkeypatch.setattr(sampler, "draw_rows", lambda probs, g: drawn.append(probs.shape[0]) or real_draw(probs, g))
     assert engine_module.sample is sampler.sample
-    with _engine() as engine:
+    with _engine(kernels=BOOKKEEPING_KERNELS) as engine:
         steps, run_step = [], engine.runner.run_step
         engine.runner.run_step = lambda *a: steps.append(run_step(*a)) or steps[-1]
         with_graphs = _greedy(engine, n=6)
@@ -102,7 +106,7 @@ def test_greedy_rows_take_the_token_their_replay_picked_and_sampled_rows_still_s
 
 
 def test_the_op_by_op_steps_extra_cost_is_measured_at_capture() -> None:
-    with _engine() as engine:
+    with _engine(kernels=BOOKKEEPING_KERNELS) as engine:
         graphs = engine.runner.graphs
         if GPU:
             assert graphs.eager_extra_s > 0.0                # op by op is slower than a replay
@@ -127,7 +131,7 @@ def test_new_weights_are_captured_again_and_int8_decodes_through_the_graphs() ->
 
 
 def test_batch_limit_growing_captures_a_longer_ladder() -> None:
-    with _engine() as engine:
+    with _engine(kernels=BOOKKEEPING_KERNELS) as engine:
         engine.update(max_num_seqs=6)
         _greedy(engine, n=2, prompts=PROMPTS[:1])
         assert engine.runner.graphs.sizes == [1, 2, 4, 6]
@@ -135,7 +139,7 @@ def test_batch_limit_growing_captures_a_longer_ladder() -> None:
 
 
 def test_a_failed_capture_decodes_eagerly_with_a_notice() -> None:
-    with _engine(graph=FailingGraph) as engine:
+    with _engine(graph=FailingGraph, kernels=BOOKKEEPING_KERNELS) as engine:
         assert engine.stats().graph_state.startswith("failed: RuntimeError")
         notices = engine.take_notices()
         assert any("CUDA graphs could not be captured" in n and "decoding eagerly" in n for n in notices)

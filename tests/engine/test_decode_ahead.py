@@ -1,8 +1,9 @@
 """Decode ahead (engine/decode_ahead.py): the next decode step replayed before this one's tokens
 are read must change nothing but the timing.
 
-Without a GPU the graphs are the CPU double (a replay re-runs the captured forward) and the
-Triton kernels run in Triton's interpreter; with one, real graphs. Each run is compared with the
+With a GPU, real graphs on the Triton kernels; without one, the graphs are the CPU double (a
+replay re-runs the captured forward) on torch's kernels: what is tested is the bookkeeping, and
+in Triton's interpreter these tests took two minutes of the suite. Each run is compared with the
 same engine reading its tokens before any replay ahead (the plain path), so the kernels are the
 same and the tokens must be too.
 """
@@ -18,13 +19,13 @@ from pdchat.engine.scheduler import ScheduledSeq
 from tests.doubles.eager_graph import EagerGraph
 
 GPU = torch.cuda.is_available()
+KERNELS = "triton" if GPU else "torch"
 PROMPTS = ["hello there", "a longer prompt with more words in it", "x"]
 
 
 def _engine(rows: int) -> Engine:
-    # A context of 256 keeps a graph's decode attention in one part: split-K's programs took a third
-    # of these tests' time in the interpreter (test_cuda_graphs replays the split).
-    engine = Engine(model="random:tiny", device="cuda" if GPU else "cpu", kernels="triton", dtype="float32",
+    # A context of 256 keeps a graph's decode attention in one part (test_cuda_graphs replays the split).
+    engine = Engine(model="random:tiny", device="cuda" if GPU else "cpu", kernels=KERNELS, dtype="float32",
                     telemetry=False, kv_cache_mb=4, max_num_seqs=rows, max_model_len=256, block_size=16)
     if not GPU:
         engine.runner.use_graphs(engine.settings.notices, new_graph=EagerGraph, reserve=engine.blocks.ensure_capacity)
@@ -132,7 +133,7 @@ def test_no_step_is_replayed_ahead_for_a_row_that_ends_or_has_no_block_for_it() 
 def test_rows_preempted_from_a_full_pool_decode_ahead_as_they_would_plainly(monkeypatch) -> None:
     # 26 blocks of 4 tokens cannot hold the four requests at once: the scheduler preempts and
     # recomputes, and blocks are taken ahead where a row's next token starts one
-    engine = Engine(model="random:tiny", device="cuda" if GPU else "cpu", kernels="triton", dtype="float32",
+    engine = Engine(model="random:tiny", device="cuda" if GPU else "cpu", kernels=KERNELS, dtype="float32",
                     telemetry=False, num_kv_blocks=26, block_size=4, max_num_seqs=4, max_model_len=256)
     with engine:
         if not GPU:
