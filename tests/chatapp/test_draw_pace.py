@@ -89,3 +89,26 @@ async def test_the_chat_holds_streamed_text_while_drawing_is_over_its_share(make
         await send(pilot, "more")
         await wait_for(pilot, backend.held.is_set)
         await wait_for(pilot, lambda: replies.stream_view is not view and replies.stream_view.content == "again")
+
+
+async def test_the_panels_slow_refresh_stops_while_a_reply_streams_and_comes_back_after(make_app):
+    # While a reply streams the panel is redrawn 4 times a second; the once-a-second refresh beside
+    # it would draw the same panel again, and on a CPU every draw is time taken from the model.
+    backend = FakeBackend(hold="decode:1", replies=["first second"])
+    app = make_app(backend)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await ready(pilot)
+        replies = app.chat.replies
+        (pump, fast), (slow,) = replies._live_timers, replies._idle_timers
+
+        def running(timer) -> bool:
+            return timer._active.is_set()
+
+        assert running(slow) and not running(pump) and not running(fast)      # idle
+        await send(pilot, "go")
+        await wait_for(pilot, backend.held.is_set)
+        assert running(pump) and running(fast) and not running(slow)          # streaming
+        backend.release()
+        await wait_for(pilot, lambda: not replies.live)
+        await idle(pilot)
+        assert running(slow) and not running(pump) and not running(fast)      # idle again

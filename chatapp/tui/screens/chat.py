@@ -93,10 +93,10 @@ class ChatScreen(ChatActions, CompareActions, Screen):
         # the bottom; scrolling up lets go, scrolling back down or Ctrl+End follows again.
         self.query_one("#messages", VerticalScroll).anchor()
         # Idle, the app wakes only for the slow panel refresh: the text pump and the fast refresh
-        # run while a reply streams (Replies resumes and pauses them).
+        # run instead of it while a reply streams (Replies resumes and pauses them).
         self.replies.while_live(self.set_interval(draw_pace.MIN_S, self.replies.pump, pause=True),
-                                self.set_interval(PANEL_S, self.refresh_panel, pause=True))
-        self.set_interval(IDLE_PANEL_S, self.refresh_panel)
+                                self.set_interval(PANEL_S, self.refresh_panel, pause=True),
+                                idle=(self.set_interval(IDLE_PANEL_S, self.refresh_panel),))
         self.refresh_panel()
         self.query_one("#input").focus()
 

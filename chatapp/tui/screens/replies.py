@@ -39,13 +39,15 @@ class Replies:
         self.stream_view: MessageView | None = None
         self._last_save: dict[int, float] = {}
         self._live_timers: tuple[Timer, ...] = ()
+        self._idle_timers: tuple[Timer, ...] = ()
         self.pace = DrawPace(lambda: screen.app.clock(), lambda: screen.app.cpu_clock())
 
-    def while_live(self, *timers: Timer) -> None:
+    def while_live(self, *timers: Timer, idle: tuple[Timer, ...] = ()) -> None:
         """Timers that matter only while a reply streams (the text pump, the panel's fast refresh):
         start() resumes them and pump() pauses them once no reply is left, so an idle app does
-        not wake up for them."""
-        self._live_timers = timers
+        not wake up for them. The `idle` ones (the panel's slow refresh) run only when no reply
+        streams: beside the fast one they would only draw the same panel again."""
+        self._live_timers, self._idle_timers = timers, idle
 
     async def start(self, conv_id: int, history: list[dict[str, str]], label: str | None = None) -> bool:
         screen = self.screen
@@ -62,6 +64,8 @@ class Replies:
         self.live[conv_id] = live
         for timer in self._live_timers:
             timer.resume()
+        for timer in self._idle_timers:
+            timer.pause()
         if conv_id == screen.conv_id:
             await self.show(live)
             screen.query_one("#messages", VerticalScroll).scroll_end(animate=False)
@@ -123,6 +127,8 @@ class Replies:
         if not self.live:              # the last one finished (or its chat was deleted)
             for timer in self._live_timers:
                 timer.pause()
+            for timer in self._idle_timers:
+                timer.resume()
             self.pace.reset()
 
     async def _finish(self, live: LiveReply, view: MessageView | None) -> None:
