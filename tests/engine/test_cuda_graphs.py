@@ -55,8 +55,11 @@ def _engine(graph=None, kernels: str = "triton", **kw) -> Engine:
 
 
 def _greedy(engine: Engine, n: int = 8, prompts: list[str] = PROMPTS) -> list[list[int]]:
-    done = engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-    return [c.token_ids for c in done]
+    # Admitted in one go (the loop drains its inbox under this lock), so every run batches its
+    # steps alike: a row's logits may round differently in a step of other rows.
+    with engine.loop.lock:
+        streams = [engine.submit(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)) for p in prompts]
+    return [s.result().token_ids for s in streams]
 
 
 def test_graph_decoding_matches_eager_decoding_on_a_padded_batch() -> None:

@@ -34,7 +34,10 @@ def _engine(rows: int) -> Engine:
 
 
 def _texts_and_tokens(engine: Engine, params: list[SamplingParams]) -> list[tuple[str, list[int]]]:
-    streams = [engine.submit(p, sp) for p, sp in zip(PROMPTS, params)]        # decoding side by side
+    # Admitted in one go (the loop drains its inbox under this lock), decoding side by side: a
+    # request that came a step later would drop the step replayed ahead for the others.
+    with engine.loop.lock:
+        streams = [engine.submit(p, sp) for p, sp in zip(PROMPTS, params)]
     return [(c.text, c.token_ids) for c in (s.result() for s in streams)]
 
 
@@ -143,8 +146,9 @@ def test_rows_preempted_from_a_full_pool_decode_ahead_as_they_would_plainly(monk
         prompts = PROMPTS + ["another one"]
 
         def run() -> tuple[list[list[int]], int]:
-            streams = [engine.submit(p, SamplingParams(max_tokens=10 + 3 * i, temperature=0, ignore_eos=True))
-                       for i, p in enumerate(prompts)]
+            with engine.loop.lock:                # admitted together, so the pool runs short
+                streams = [engine.submit(p, SamplingParams(max_tokens=10 + 3 * i, temperature=0, ignore_eos=True))
+                           for i, p in enumerate(prompts)]
             done = [s.result() for s in streams]
             return [c.token_ids for c in done], sum(c.metrics.preemptions for c in done)
         ahead, preempted = run()
