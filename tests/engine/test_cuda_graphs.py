@@ -17,7 +17,7 @@ from tests.greedy import disagreements
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
 # Off a GPU, the tests of the graphs' own bookkeeping run on torch's kernels: in Triton's
-# interpreter they took a minute and a half of the suite. The tests of what the kernels must do
+# interpreter they took about a minute of the suite. The tests of what the kernels must do
 # inside a graph (padding rows, the int8 product) keep the Triton kernels everywhere.
 BOOKKEEPING_KERNELS = "triton" if GPU else "torch"
 PROMPTS = ["hello there", "a longer prompt with more words in it", "x"]
