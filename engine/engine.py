@@ -163,10 +163,14 @@ class Engine:
 
     def generate(self, prompts: Iterable[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                  *, system: str | None = None) -> list[Completion]:
-        """Run prompts together (continuous batching inside); completions in input order."""
+        """Run prompts together (continuous batching inside); completions in input order. They are
+        posted while the loop is held, so it admits them in one go: posted one by one, the loop
+        could start on the first before the others came, and a run's steps (and, in floating
+        point, a row's logits) then depended on thread timing."""
         prompts = list(prompts)
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        streams = [self.submit(p, sp, system=system) for p, sp in zip(prompts, plist)]
+        with self.loop.lock:
+            streams = [self.submit(p, sp, system=system) for p, sp in zip(prompts, plist)]
         return [s.result() for s in streams]
 
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:

@@ -3,6 +3,14 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
+
+# The kernels of the tests of the graphs' own bookkeeping (test_cuda_graphs, test_decode_ahead): on
+# a GPU the Triton ones, as the engine runs them; off one torch's, as in Triton's CPU interpreter
+# those tests took four minutes of the suite. The tests of what the kernels must do inside a graph
+# (padding rows, the int8 product) run the Triton kernels everywhere.
+BOOKKEEPING_KERNELS = "triton" if torch.cuda.is_available() else "torch"
+
 
 class EagerGraph:
     """Capture runs the function; replay runs it again. That is what a real replay does: the

@@ -11,15 +11,11 @@ import torch
 
 from pdchat.engine import Engine, SamplingParams
 from pdchat.engine.cuda_graphs import DecodeBuffers, ladder, padded_size
-from tests.doubles.eager_graph import EagerGraph, FailingGraph
+from tests.doubles.eager_graph import BOOKKEEPING_KERNELS, EagerGraph, FailingGraph
 from tests.greedy import disagreements
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
-# Off a GPU, the tests of the graphs' own bookkeeping run on torch's kernels: in Triton's
-# interpreter they took about a minute of the suite. The tests of what the kernels must do
-# inside a graph (padding rows, the int8 product) keep the Triton kernels everywhere.
-BOOKKEEPING_KERNELS = "triton" if GPU else "torch"
 PROMPTS = ["hello there", "a longer prompt with more words in it", "x"]
 
 
@@ -55,11 +51,8 @@ def _engine(graph=None, kernels: str = "triton", **kw) -> Engine:
 
 
 def _greedy(engine: Engine, n: int = 8, prompts: list[str] = PROMPTS) -> list[list[int]]:
-    # Admitted in one go (the loop drains its inbox under this lock), so every run batches its
-    # steps alike: a row's logits may round differently in a step of other rows.
-    with engine.loop.lock:
-        streams = [engine.submit(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)) for p in prompts]
-    return [s.result().token_ids for s in streams]
+    done = engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    return [c.token_ids for c in done]
 
 
 def test_graph_decoding_matches_eager_decoding_on_a_padded_batch() -> None:

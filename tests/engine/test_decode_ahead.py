@@ -2,10 +2,9 @@
 are read must change nothing but the timing.
 
 With a GPU, real graphs on the Triton kernels; without one, the graphs are the CPU double (a
-replay re-runs the captured forward) on torch's kernels: what is tested is the bookkeeping, and
-in Triton's interpreter these tests took two minutes of the suite. Each run is compared with the
-same engine reading its tokens before any replay ahead (the plain path), so the kernels are the
-same and the tokens must be too.
+replay re-runs the captured forward) on torch's kernels (BOOKKEEPING_KERNELS). Each run is
+compared with the same engine reading its tokens before any replay ahead (the plain path), so
+the kernels are the same and the tokens must be too.
 """
 from __future__ import annotations
 
@@ -16,16 +15,15 @@ import torch
 from pdchat.engine import Engine, SamplingParams
 from pdchat.engine.decode_ahead import DecodeAhead
 from pdchat.engine.scheduler import ScheduledSeq
-from tests.doubles.eager_graph import EagerGraph
+from tests.doubles.eager_graph import BOOKKEEPING_KERNELS, EagerGraph
 
 GPU = torch.cuda.is_available()
-KERNELS = "triton" if GPU else "torch"
 PROMPTS = ["hello there", "a longer prompt with more words in it", "x"]
 
 
 def _engine(rows: int) -> Engine:
     # A context of 256 keeps a graph's decode attention in one part (test_cuda_graphs replays the split).
-    engine = Engine(model="random:tiny", device="cuda" if GPU else "cpu", kernels=KERNELS, dtype="float32",
+    engine = Engine(model="random:tiny", device="cuda" if GPU else "cpu", kernels=BOOKKEEPING_KERNELS, dtype="float32",
                     telemetry=False, kv_cache_mb=4, max_num_seqs=rows, max_model_len=256, block_size=16)
     if not GPU:
         engine.runner.use_graphs(engine.settings.notices, new_graph=EagerGraph, reserve=engine.blocks.ensure_capacity)
@@ -34,11 +32,9 @@ def _engine(rows: int) -> Engine:
 
 
 def _texts_and_tokens(engine: Engine, params: list[SamplingParams]) -> list[tuple[str, list[int]]]:
-    # Admitted in one go (the loop drains its inbox under this lock), decoding side by side: a
-    # request that came a step later would drop the step replayed ahead for the others.
-    with engine.loop.lock:
-        streams = [engine.submit(p, sp) for p, sp in zip(PROMPTS, params)]
-    return [(c.text, c.token_ids) for c in (s.result() for s in streams)]
+    # Admitted in one go (generate), decoding side by side: a request that came a step later would
+    # drop the step replayed ahead for the others.
+    return [(c.text, c.token_ids) for c in engine.generate(PROMPTS, params)]
 
 
 def _plain(engine: Engine, monkeypatch) -> None:
@@ -136,7 +132,7 @@ def test_no_step_is_replayed_ahead_for_a_row_that_ends_or_has_no_block_for_it() 
 def test_rows_preempted_from_a_full_pool_decode_ahead_as_they_would_plainly(monkeypatch) -> None:
     # 26 blocks of 4 tokens cannot hold the four requests at once: the scheduler preempts and
     # recomputes, and blocks are taken ahead where a row's next token starts one
-    engine = Engine(model="random:tiny", device="cuda" if GPU else "cpu", kernels=KERNELS, dtype="float32",
+    engine = Engine(model="random:tiny", device="cuda" if GPU else "cpu", kernels=BOOKKEEPING_KERNELS, dtype="float32",
                     telemetry=False, num_kv_blocks=26, block_size=4, max_num_seqs=4, max_model_len=256)
     with engine:
         if not GPU:
@@ -146,10 +142,8 @@ def test_rows_preempted_from_a_full_pool_decode_ahead_as_they_would_plainly(monk
         prompts = PROMPTS + ["another one"]
 
         def run() -> tuple[list[list[int]], int]:
-            with engine.loop.lock:                # admitted together, so the pool runs short
-                streams = [engine.submit(p, SamplingParams(max_tokens=10 + 3 * i, temperature=0, ignore_eos=True))
-                           for i, p in enumerate(prompts)]
-            done = [s.result() for s in streams]
+            done = engine.generate(prompts, [SamplingParams(max_tokens=10 + 3 * i, temperature=0, ignore_eos=True)
+                                             for i in range(len(prompts))])    # admitted together: the pool runs short
             return [c.token_ids for c in done], sum(c.metrics.preemptions for c in done)
         ahead, preempted = run()
         assert preempted > 0 and engine.runner.ahead.used > 0

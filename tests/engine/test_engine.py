@@ -142,6 +142,27 @@ def test_seeded_requests_are_reproducible(tiny_engine):
     assert a == b and a != c
 
 
+def test_generate_admits_its_prompts_in_one_go(tiny_engine):
+    # The loop gets time to take each request as it is posted; generate's still arrive together, so
+    # a batch's steps do not depend on thread timing (the decode-graph tests compare two runs).
+    posted, seen_at_admission = [], []
+    real_post, real_add = tiny_engine.loop.post, tiny_engine.loop._handlers["add"]
+
+    def post(kind, arg):
+        real_post(kind, arg)
+        if kind == "add":
+            posted.append(arg)
+            time.sleep(0.05)
+
+    def add(seq):
+        seen_at_admission.append(len(posted))
+        real_add(seq)
+
+    tiny_engine.loop.post, tiny_engine.loop._handlers["add"] = post, add
+    done = tiny_engine.generate(["one", "two", "three"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert seen_at_admission == [3, 3, 3] and [c.finish_reason for c in done] == ["length"] * 3
+
+
 def test_batch_size_limit_holds_even_with_unfinished_prefills():
     with Engine(model="random:tiny", telemetry=False, max_num_seqs=2, chunk_size=8, kv_cache_mb=4) as engine:
         params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
