@@ -99,5 +99,5 @@ class RuntimeSettings:
             self._set_spec("off")
 
     def _set_spec(self, mode: str) -> None:
-        self.speculative.set_mode(mode, self.blocks)
+        self.speculative.set_mode(mode, self.blocks, self.runner)
         self.config = replace(self.config, spec=mode)

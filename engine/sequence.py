@@ -45,7 +45,7 @@ class Sequence:
     spec_k: int = 0                       # current draft length (adaptive); 0 = not set yet
     spec_off: bool = False                # speculation stopped for this request (low acceptance)
     spec_recent: list[tuple[int, int]] = field(default_factory=list)   # (drafted, accepted)
-    draft_computed: int = 0               # positions whose draft-model K/V are in the cache
+    draft_computed: int = 0               # positions whose K/V a draft model holds in its own pool
     # disaggregated prefill (engine/disaggregation): when the prefill worker finished this prompt,
     # when its K/V were in this engine's pool, and how many bytes crossed
     t_prefilled: float | None = None

@@ -4,9 +4,11 @@ Proposers:
 - `NgramProposer` (prompt lookup): find the latest earlier occurrence of the sequence's last n
   tokens and propose what followed it. Free; shines when the answer quotes its context.
 - `DraftProposer`: a smaller model with the same tokenizer, or the target's own weights in int8
-  ("self-draft"). Its K/V live in a pool of its own that shares the target's block tables, so
-  the draft's cache follows the target's (allocation, rollback, preemption) without bookkeeping
-  of its own beyond how many positions it has computed.
+  ("self-draft"). A draft model's K/V live in a pool of its own that shares the target's block
+  tables, so the draft's cache follows the target's (allocation, rollback, preemption) without
+  bookkeeping of its own beyond how many positions it has computed. A self-draft is the target's
+  model and runner: it attends over the target's K/V, so it has no prompt of its own to catch up
+  on, and writes its guesses' K/V only at positions the verify then writes with the target's.
 
 `verify` is lossless: greedy accepts while the draft equals the target's argmax; sampling uses
 rejection sampling (accept with min(1, p/q), else sample the normalised residual max(0, p - q),
@@ -63,12 +65,18 @@ class NgramProposer:
 
 
 class DraftProposer:
-    """Runs a draft model over the target's block tables with its own K/V pool."""
+    """Runs a draft model over the target's block tables: with its own K/V pool, or (self-draft:
+    `switch` given) on the target's runner and K/V."""
 
     def __init__(self, name: str, runner: ModelRunner, switch=None):
         self.name = name
         self.runner = runner
         self.switch = switch        # self-draft: the target's quant switch, flipped to its int8 copies
+
+    def _context(self, seq: Sequence) -> int:
+        """Positions whose K/V the draft attends over: the target's computed ones for a self-draft,
+        else what the draft's own pool holds."""
+        return seq.num_computed_tokens if self.switch is not None else seq.draft_computed
 
     def _mode(self):
         if self.switch is None:
@@ -79,9 +87,9 @@ class DraftProposer:
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         drafts = [Draft([], None) for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        # Step 0 catches the draft's cache up to the last known token; each later step feeds the
-        # previous draft token.
-        pending = [(i, s.token_ids[s.draft_computed:], s.draft_computed) for i, s in enumerate(seqs) if ks[i] > 0]
+        # Step 0 feeds what the draft's context lacks up to the last known token (a self-draft: that
+        # token alone); each later step feeds the previous draft token.
+        pending = [(i, s.token_ids[self._context(s):], self._context(s)) for i, s in enumerate(seqs) if ks[i] > 0]
         with self._mode():
             while pending:
                 work = [Work(tokens, start, seqs[i].block_table) for i, tokens, start in pending]

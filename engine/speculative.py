@@ -1,6 +1,7 @@
 """The engine's speculative decoder: which proposer drafts (off, n-gram, a draft model, or the
-int8 copies of the target's weights), the draft model and its KV pool, proposing for a step's decodes with
-blocks reserved, verifying a draft against the target's logits, and the adaptive draft length.
+int8 copies of the target's weights), the draft model and its KV pool (a self-draft has none: it
+reads and writes the target's), proposing for a step's decodes with blocks reserved, verifying a
+draft against the target's logits, and the adaptive draft length.
 
 The algorithms (proposers, rejection sampling) are in spec.py; this module is their lifecycle.
 """
@@ -32,7 +33,7 @@ class SpeculativeDecoder:
         self.adaptive = AdaptiveK(spec_tokens)
         self.payoff: SpecPayoff | None = SpecPayoff()     # None: speculation is kept on whatever it costs
         self.proposer: Proposer | None = None
-        self._runner: ModelRunner | None = None
+        self._draft_runner: ModelRunner | None = None
         # A separate draft model is loaded with the target, so the KV pool is sized for both.
         self._draft = self._load_draft(seed, say) if load_draft_now else None
 
@@ -47,20 +48,20 @@ class SpeculativeDecoder:
         return draft
 
     def kv_bytes_per_token(self, mode: str) -> int:
-        """The draft's K/V bytes per token when `mode` drafts with a model (for sizing the pool)."""
-        if mode != "draft":
+        """The draft's K/V bytes per token when `mode` drafts with a separate model (for sizing the
+        pool); a self-draft's K/V are the target's."""
+        if mode != "draft" or self._draft is None:
             return 0
-        cfg = self._draft.config if self._draft is not None else self.target.config
-        return cfg.kv_bytes_per_token(self.precision.dtype)
+        return self._draft.config.kv_bytes_per_token(self.precision.dtype)
 
-    def set_mode(self, mode: str, blocks: BlockManager) -> None:
+    def set_mode(self, mode: str, blocks: BlockManager, target: ModelRunner) -> None:
         """off | ngram | draft. A draft model's KV pool shares the target's block tables, so it has
-        as many blocks as `blocks`."""
+        as many blocks as `blocks`; a self-draft runs on the target's runner (`target`)."""
         proposer: Proposer | None = None
         if mode == "ngram":
             proposer = NgramProposer()
         elif mode == "draft":
-            proposer = self._draft_proposer(blocks)
+            proposer = self._draft_proposer(blocks, target)
         if self._self_drafting(self.proposer) and not self._self_drafting(proposer):
             self.precision.drop_draft_copies()
         self.proposer = proposer
@@ -71,23 +72,23 @@ class SpeculativeDecoder:
     def _self_drafting(proposer: Proposer | None) -> bool:
         return isinstance(proposer, DraftProposer) and proposer.switch is not None
 
-    def _draft_proposer(self, blocks: BlockManager) -> DraftProposer:
-        refusal = self.precision.self_draft_refusal() if self._draft is None else None
-        if refusal is not None:
-            raise InvalidRequest(f"{refusal}; pass --draft-model, or turn quantization off")
-        if self._runner is None:
-            loaded = self._draft or self.target
+    def _draft_proposer(self, blocks: BlockManager, target: ModelRunner) -> DraftProposer:
+        if self._draft is None:
+            refusal = self.precision.self_draft_refusal()
+            if refusal is not None:
+                raise InvalidRequest(f"{refusal}; pass --draft-model, or turn quantization off")
+            return DraftProposer("self-draft", target, switch=self.precision.switch)
+        if self._draft_runner is None:
+            draft = self._draft
             try:
-                self._runner = ModelRunner(loaded.model, loaded.config, self.precision.device,
+                self._draft_runner = ModelRunner(draft.model, draft.config, self.precision.device,
                                            self.precision.dtype, blocks.num_blocks, blocks.block_size,
-                                           loaded.config.max_position)
+                                           draft.config.max_position)
             except torch.OutOfMemoryError:
                 # The pool was sized without a draft; at start-up it is sized for both.
                 raise InvalidRequest("not enough memory for the draft's KV cache now; "
                                      "start with --spec draft instead") from None
-        if self._draft is None:
-            return DraftProposer("self-draft", self._runner, switch=self.precision.switch)
-        return DraftProposer(f"draft:{self.draft_model}", self._runner)
+        return DraftProposer(f"draft:{self.draft_model}", self._draft_runner)
 
     def set_tokens(self, k: int) -> None:
         """The initial draft length of new requests (each then adapts its own)."""
@@ -151,4 +152,4 @@ class SpeculativeDecoder:
 
     def close(self) -> None:
         """Drop every model and KV pool reference (the engine is closing)."""
-        self.target = self.precision = self._draft = self._runner = self.proposer = None
+        self.target = self.precision = self._draft = self._draft_runner = self.proposer = None

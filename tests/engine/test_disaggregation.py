@@ -225,7 +225,7 @@ def test_the_worker_follows_a_switch_of_weights():
     assert fp32 != int4          # (else this test could not tell the weights apart)
 
 
-@pytest.mark.parametrize("spec", [dict(spec="ngram"), dict(spec="draft", draft_model="random:tiny")])
+@pytest.mark.parametrize("spec", [dict(spec="ngram"), dict(spec="draft"), dict(spec="draft", draft_model="random:tiny")])
 def test_speculation_decodes_from_handed_over_kv(reference, spec):
     with engine(disaggregate=True, spec_always=True, **spec) as e:
         assert [c.token_ids for c in e.generate(prompts(), GREEDY)] == reference

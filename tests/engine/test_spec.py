@@ -228,6 +228,60 @@ def test_self_draft_runs_in_int8_mode_and_restores_it():
     assert runner.modes_seen == ["int8", "int8"] and switch.mode == "none"
 
 
+def test_self_draft_attends_over_the_targets_cache_so_it_feeds_only_the_last_token():
+    from types import SimpleNamespace
+
+    from pdchat.engine.spec import DraftProposer
+    switch = SimpleNamespace(mode="none")
+    runner = _FakeRunner(switch=switch)
+    seq = _draft_seq("s", [1, 2, 3, 4], temperature=0)
+    seq.num_computed_tokens = 3         # the target holds the K/V of all but the last token
+    drafts = DraftProposer("self-draft", runner, switch=switch).propose([seq], [2])
+    assert runner.calls == [[([4], 3)], [([5], 4)]]     # a draft model's pool would start from 0
+    assert drafts[0].tokens == [5, 6]
+
+
+def test_a_self_draft_writes_no_kv_the_target_has_computed():
+    # Its guesses' K/V go where the verify writes the target's next; a draft that fed one token
+    # too many would overwrite the target's K/V of an earlier token with int8 ones (close enough
+    # that greedy tokens rarely show it).
+    with Engine(model="random:tiny", telemetry=False, num_kv_blocks=64, spec="draft", spec_always=True) as engine:
+        runner, speculative, bs = engine.runner, engine.speculative, engine.blocks.block_size
+        kept: list[bool] = []           # per proposal: the computed positions' K/V unchanged
+        drafts: list[int] = []
+        propose = speculative.propose
+
+        def computed_kv(seqs: list[Sequence]) -> torch.Tensor:
+            slots = [s.block_table[p // bs] * bs + p % bs for s in seqs for p in range(s.num_computed_tokens)]
+            return torch.stack([c.flatten(1, 2)[:, slots] for c in (runner.k_cache, runner.v_cache)]).clone()
+
+        def checked_propose(items, blocks, max_model_len):
+            seqs = [i.seq for i in items]
+            before = computed_kv(seqs)
+            drafted = propose(items, blocks, max_model_len)
+            kept.append(torch.equal(before, computed_kv(seqs)))
+            drafts.append(len(drafted[0]))
+            return drafted
+
+        speculative.propose = checked_propose
+        engine.submit("Repeat exactly: " + QUOTE * 2, GREEDY).result()
+        assert sum(drafts) > 5 and all(kept)
+
+
+def test_self_draft_shares_the_targets_kv_pool_and_a_draft_model_has_its_own():
+    sized = dict(model="random:tiny", telemetry=False, kv_cache_mb=1)
+    with Engine(**sized) as plain:
+        blocks = plain.blocks.num_blocks
+    with Engine(**sized, spec="draft", spec_always=True) as self_drafting:
+        assert self_drafting.blocks.num_blocks == blocks
+        assert self_drafting.speculative.proposer.runner is self_drafting.runner
+        done = self_drafting.submit("Repeat exactly: " + QUOTE, GREEDY).result()
+        assert done.metrics.spec_drafted > 0 and self_drafting.stats().kv_blocks_used == 0
+    with Engine(**sized, spec="draft", draft_model="random:tiny", spec_always=True) as two_models:
+        assert two_models.blocks.num_blocks == blocks // 2      # the budget holds both pools
+        assert two_models.speculative.proposer.runner is not two_models.runner
+
+
 def test_adaptive_k_defaults_and_boundaries():
     ak = AdaptiveK(3)
     assert (ak.k0, ak.max_k, ak.min_rate, ak.window) == (3, 6, 0.3, 16)
