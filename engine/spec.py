@@ -94,26 +94,40 @@ class DraftProposer:
             while pending:
                 work = [Work(tokens, start, seqs[i].block_table) for i, tokens, start in pending]
                 logits = self.runner.forward(work, [[len(w.tokens) - 1] for w in work])
-                p = target_probs(logits, [seqs[i].params for i, _, _ in pending])
-                ok = usable(p).tolist()
+                chosen = _choose(logits, [seqs[i] for i, _, _ in pending])
                 nxt = []
                 for row, (i, tokens, start) in enumerate(pending):
                     seq = seqs[i]
                     seq.draft_computed = start + len(tokens)
-                    if not ok[row]:
+                    if chosen[row] is None:
                         continue             # the draft has nothing to offer; the target decides
-                    if seq.params.greedy:
-                        token = int(p[row].argmax())
-                    else:
-                        token = draw(p[row], seq.generator)
+                    token, dist = chosen[row]
                     drafts[i].tokens.append(token)
-                    probs[i].append(p[row])
+                    if dist is not None:
+                        probs[i].append(dist)
                     if len(drafts[i].tokens) < ks[i]:
                         nxt.append((i, [token], seq.draft_computed))
                 pending = nxt
         for d, ps in zip(drafts, probs):
-            d.probs = torch.stack(ps) if ps else None
+            d.probs = torch.stack(ps) if ps else None       # a greedy draft's stay None: one-hot
         return drafts
+
+
+def _choose(logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, torch.Tensor | None] | None]:
+    """Each row's draft token and the distribution it was drawn from; None for a row with nothing
+    usable (a non-finite largest logit, or no distribution to sample). A greedy row's token is its
+    argmax and its distribution one-hot, so none is built for it: the sampling distribution over
+    the default model's 49K vocabulary and its checks took ~1.4 ms of a ~13 ms int8 draft step."""
+    best, top = logits.max(-1)
+    finite, top = torch.isfinite(best).tolist(), top.tolist()
+    chosen: list[tuple[int, torch.Tensor | None] | None] = [
+        (top[r], None) if finite[r] else None for r in range(len(seqs))]
+    sampled = [r for r, seq in enumerate(seqs) if not seq.params.greedy]
+    if sampled:
+        p = target_probs(logits[sampled], [seqs[r].params for r in sampled])
+        for r, row, ok in zip(sampled, p, usable(p).tolist()):
+            chosen[r] = (draw(row, seqs[r].generator), row) if ok else None
+    return chosen
 
 
 def verify(target_logits: torch.Tensor, draft: Draft, seq: Sequence,

@@ -177,13 +177,13 @@ def test_draft_proposer_drafts_k_tokens_per_sequence_and_tracks_its_cache():
     runner = _FakeRunner()
     prop = DraftProposer("draft:x", runner)
     assert prop.name == "draft:x" and prop.switch is None
-    a, b, c = (_draft_seq("a", [1, 2, 3], temperature=0), _draft_seq("b", [7], temperature=0),
+    a, b, c = (_draft_seq("a", [1, 2, 3], temperature=0), _draft_seq("b", [7], temperature=1.0, min_p=0.5),
                _draft_seq("c", [4, 5], temperature=0))
     drafts = prop.propose([a, b, c], [3, 1, 0])
     assert [d.tokens for d in drafts] == [[4, 5, 6], [8], []]
-    assert drafts[0].probs.shape == (3, 16) and drafts[1].probs.shape == (1, 16)
+    assert drafts[0].probs is None                         # greedy: one-hot, nothing built
+    assert drafts[1].probs.shape == (1, 16) and drafts[1].probs[0, 8] == 1.0      # sampled: its distribution
     assert drafts[2].probs is None                         # nothing drafted: no distribution
-    assert torch.allclose(drafts[0].probs.sum(-1), torch.ones(3))
     # Step 0 catches up from draft_computed; later steps feed one token each.
     assert runner.calls == [[([1, 2, 3], 0), ([7], 0)], [([4], 3)], [([5], 4)]]
     assert (a.draft_computed, b.draft_computed, c.draft_computed) == (5, 1, 0)
@@ -193,11 +193,13 @@ def test_draft_proposer_skips_an_unusable_row_but_not_the_others():
     from pdchat.engine.spec import DraftProposer
     runner = _FakeRunner()
     a, b = _draft_seq("a", [1, 2], temperature=1.0), _draft_seq("b", [3], temperature=0)
-    a.block_table = [-1]
-    drafts = DraftProposer("d", runner).propose([a, b], [2, 2])
+    c = _draft_seq("c", [6], temperature=0)          # greedy, with NaN logits: its argmax means nothing
+    a.block_table = c.block_table = [-1]
+    drafts = DraftProposer("d", runner).propose([a, b, c], [2, 2, 2])
     assert drafts[0].tokens == [] and drafts[0].probs is None
     assert drafts[1].tokens == [4, 5]
-    assert (a.draft_computed, b.draft_computed) == (2, 2)
+    assert drafts[2].tokens == [] and drafts[2].probs is None
+    assert (a.draft_computed, b.draft_computed, c.draft_computed) == (2, 2, 1)
 
 
 def test_draft_proposer_samples_with_the_request_generator():
