@@ -29,6 +29,8 @@ GROUNDED = [
 OPEN_ENDED = ["What are three good habits for staying healthy?", "Why is the sky blue?",
               "Give me some ideas for a weekend trip."]
 METHODS = [("ngram", None), ("draft", "self")]
+SAMPLED_METHODS = [("draft", "self")]     # sampled: the self-draft alone (the suite's minutes)
+SEED = 1                                  # sampled runs repeat their tokens, so their acceptance
 
 
 def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, Any]:
@@ -43,7 +45,7 @@ def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, A
         goals = {"ngram grounded": ">= 2.0x", "ngram open-ended": ">= 0.95x",
                  "self-draft grounded": ">= 1.5x", "self-draft open-ended": ">= 1.5x"}
         return {"model": config.model, "device": str(engine.device),
-                "inputs": {"max_tokens": max_tokens, "greedy": True, "grounded_prompts": len(workloads["grounded"]),
+                "inputs": {"max_tokens": max_tokens, "sampled_seed": SEED, "grounded_prompts": len(workloads["grounded"]),
                            "open_ended_prompts": len(workloads["open-ended"])},
                 "speculative_decoding": {"rows": rows, **goals}}
     finally:
@@ -51,29 +53,34 @@ def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, A
 
 
 def measure(engine: Engine, workloads: dict[str, list[str]], max_tokens: int, progress: Progress) -> list[dict[str, Any]]:
-    """Per workload: decode tok/s with speculation off, then with each method (greedy, batch 1)."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    """Per workload: decode tok/s with speculation off, then with each method (batch 1); greedy,
+    then the self-draft again at the chat's default temperature (seeded)."""
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0)
+    sampled = SamplingParams(max_tokens=max_tokens, seed=SEED)
+    passes = [("greedy", greedy, METHODS), (f"temperature {sampled.temperature:g}", sampled, SAMPLED_METHODS)]
     rows = []
-    steps = len(workloads) * (1 + len(METHODS))
+    steps = len(workloads) * sum(1 + len(methods) for _, _, methods in passes)
     done = 0
-    for name, prompts in workloads.items():
-        engine.update(spec="off")
-        base = _decode_rate(engine, prompts, params)
-        done += 1
-        for method, draft in METHODS:
-            progress(f"{name}: {method}", done / steps)
-            try:
-                engine.update(spec=method)
-            except InvalidRequest as e:          # e.g. no int8 kernel for self-draft here
-                rows.append({"workload": name, "method": method, "error": str(e)})
-                continue
-            rate, accept, mean_len = _decode_rate(engine, prompts, params, spec=True)
-            rows.append({"workload": name, "method": "self-draft (int8)" if method == "draft" else method,
-                         "tok_s_off": base[0], "tok_s_on": rate, "speedup": ratio(rate, base[0]),
-                         "acceptance": accept, "accepted_per_step": mean_len,
-                         # what the engine decides by default (payoff.py): off below 0.95x
-                         "pays_here": rate >= payoff.LOSS * base[0]})
+    for sampling, params, methods in passes:
+        for name, prompts in workloads.items():
+            engine.update(spec="off")
+            base = _decode_rate(engine, prompts, params)
             done += 1
+            for method, draft in methods:
+                progress(f"{name}, {sampling}: {method}", done / steps)
+                try:
+                    engine.update(spec=method)
+                except InvalidRequest as e:          # e.g. no int8 kernel for self-draft here
+                    rows.append({"workload": name, "sampling": sampling, "method": method, "error": str(e)})
+                    continue
+                rate, accept, mean_len = _decode_rate(engine, prompts, params, spec=True)
+                rows.append({"workload": name, "sampling": sampling,
+                             "method": "self-draft (int8)" if method == "draft" else method,
+                             "tok_s_off": base[0], "tok_s_on": rate, "speedup": ratio(rate, base[0]),
+                             "acceptance": accept, "accepted_per_step": mean_len,
+                             # what the engine decides by default (payoff.py): off below 0.95x
+                             "pays_here": rate >= payoff.LOSS * base[0]})
+                done += 1
     engine.update(spec="off")
     return rows
 
