@@ -30,7 +30,7 @@ OPEN_ENDED = ["What are three good habits for staying healthy?", "Why is the sky
               "Give me some ideas for a weekend trip."]
 METHODS = [("ngram", None), ("draft", "self")]
 SAMPLED_METHODS = [("draft", "self")]     # sampled: the self-draft alone (the suite's minutes)
-SEED = 1                                  # sampled runs repeat their tokens, so their acceptance
+SEED = 1                                  # so a sampled row's tokens and acceptance repeat
 
 
 def run(config: EngineConfig, *, quick: bool, progress: Progress) -> dict[str, Any]:

@@ -34,14 +34,16 @@ class SpeculativeDecoder:
         self.payoff: SpecPayoff | None = SpecPayoff()     # None: speculation is kept on whatever it costs
         self.proposer: Proposer | None = None
         self._draft_runner: ModelRunner | None = None
-        # A separate draft model is loaded with the target, so the KV pool is sized for both.
-        self._draft = self._load_draft(seed, say) if load_draft_now else None
+        self._seed, self._say = seed, say
+        # A separate draft model is loaded with the target when speculation starts on, so the KV
+        # pool is sized for both; else when speculation is first turned to it.
+        self._draft = self._load_draft() if load_draft_now else None
 
-    def _load_draft(self, seed: int, say: Callable[[str], None]) -> LoadedModel | None:
+    def _load_draft(self) -> LoadedModel | None:
         spec = self.draft_model
         if spec in (None, "self"):
             return None                            # self-draft: the target's own int8 weights
-        draft = load(resolve(spec, say), self.precision.device, self.precision.dtype, seed=seed,
+        draft = load(resolve(spec, self._say), self.precision.device, self.precision.dtype, seed=self._seed,
                      ops=self.target.quant.ops)
         if draft.tokenizer.get_vocab() != self.target.tokenizer.get_vocab():
             raise InvalidRequest(f"draft model {spec!r} has a different tokenizer from {self.target_name!r}")
@@ -74,6 +76,8 @@ class SpeculativeDecoder:
 
     def _draft_proposer(self, blocks: BlockManager, target: ModelRunner) -> DraftProposer:
         if self._draft is None:
+            self._draft = self._load_draft()       # a --draft-model not loaded at start-up
+        if self._draft is None:
             refusal = self.precision.self_draft_refusal()
             if refusal is not None:
                 raise InvalidRequest(f"{refusal}; pass --draft-model, or turn quantization off")
@@ -82,8 +86,8 @@ class SpeculativeDecoder:
             draft = self._draft
             try:
                 self._draft_runner = ModelRunner(draft.model, draft.config, self.precision.device,
-                                           self.precision.dtype, blocks.num_blocks, blocks.block_size,
-                                           draft.config.max_position)
+                                                 self.precision.dtype, blocks.num_blocks, blocks.block_size,
+                                                 draft.config.max_position)
             except torch.OutOfMemoryError:
                 # The pool was sized without a draft; at start-up it is sized for both.
                 raise InvalidRequest("not enough memory for the draft's KV cache now; "

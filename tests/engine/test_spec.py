@@ -270,7 +270,7 @@ def test_a_self_draft_writes_no_kv_the_target_has_computed():
         assert sum(drafts) > 5 and all(kept)
 
 
-def test_self_draft_shares_the_targets_kv_pool_and_a_draft_model_has_its_own():
+def test_self_draft_shares_the_targets_kv_pool_and_a_draft_model_has_its_own_even_when_turned_on_later():
     sized = dict(model="random:tiny", telemetry=False, kv_cache_mb=1)
     with Engine(**sized) as plain:
         blocks = plain.blocks.num_blocks
@@ -282,6 +282,12 @@ def test_self_draft_shares_the_targets_kv_pool_and_a_draft_model_has_its_own():
     with Engine(**sized, spec="draft", draft_model="random:tiny", spec_always=True) as two_models:
         assert two_models.blocks.num_blocks == blocks // 2      # the budget holds both pools
         assert two_models.speculative.proposer.runner is not two_models.runner
+    with Engine(**sized, draft_model="random:tiny", spec_always=True) as later:
+        later.update(spec="draft")                   # the named draft, loaded now: not a self-draft
+        assert later.speculative.proposer.name == "draft:random:tiny"
+        assert later.speculative.proposer.runner is not later.runner
+        done = later.submit("Repeat exactly: " + QUOTE, GREEDY).result()
+        assert done.metrics.spec_accepted == done.metrics.spec_drafted > 0     # its own weights' copy
 
 
 def test_adaptive_k_defaults_and_boundaries():
