@@ -130,6 +130,9 @@ def _choose(logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, torch
     return chosen
 
 
+NO_DISTRIBUTION = "the model's output has no usable distribution to sample from (non-finite logits)"
+
+
 def verify(target_logits: torch.Tensor, draft: Draft, seq: Sequence,
            generator: torch.Generator | None) -> tuple[list[int], int]:
     """target_logits [k+1, V] at the last known token and each draft token.
@@ -137,9 +140,16 @@ def verify(target_logits: torch.Tensor, draft: Draft, seq: Sequence,
     Returns (tokens to append, number of draft tokens accepted); always at least one token.
     """
     k = len(draft.tokens)
+    if seq.params.greedy:       # one-hot on the target's argmax: no distribution to build
+        best, top = target_logits.max(-1)
+        if bool(torch.isnan(best).any()):
+            raise SamplingFailed(NO_DISTRIBUTION)
+        top = top.tolist()
+        n = next((i for i, token in enumerate(draft.tokens) if token != top[i]), k)
+        return draft.tokens[:n] + [top[n]], n
     p = target_probs(target_logits, [seq.params] * (k + 1))
     if not bool(usable(p).all()):
-        raise SamplingFailed("the model's output has no usable distribution to sample from (non-finite logits)")
+        raise SamplingFailed(NO_DISTRIBUTION)
     out: list[int] = []
     for i, token in enumerate(draft.tokens):
         q_tok = 1.0 if draft.probs is None else float(draft.probs[i, token])
@@ -155,16 +165,10 @@ def verify(target_logits: torch.Tensor, draft: Draft, seq: Sequence,
             residual = (p[i] - draft.probs[i]).clamp(min=0)
         total = residual.sum()
         residual = residual / total if float(total) > 0 else p[i]
-        out.append(_pick(residual, seq, generator))
+        out.append(draw(residual, generator))
         return out, i
-    out.append(_pick(p[k], seq, generator))         # all accepted: a bonus token from the target
+    out.append(draw(p[k], generator))               # all accepted: a bonus token from the target
     return out, k
-
-
-def _pick(probs: torch.Tensor, seq: Sequence, generator: torch.Generator | None) -> int:
-    if seq.params.greedy:
-        return int(probs.argmax())
-    return draw(probs, generator)
 
 
 class AdaptiveK:

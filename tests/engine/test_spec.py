@@ -369,3 +369,22 @@ def test_verify_falls_back_to_the_target_row_when_the_residual_is_empty():
         assert out[0] in (0, 1) and len(out) == accepted + 1
         rejected += accepted == 0
     assert rejected > 40                      # 1 - 0.5 / 0.9 = 44 % of the drafts are rejected
+
+
+def test_greedy_verify_accepts_up_to_the_first_token_off_the_targets_argmax_and_draws_nothing():
+    from pdchat.engine.errors import SamplingFailed
+    seq = _fake_seq(SamplingParams(temperature=0))
+    logits = torch.full((4, 8), -1.0)
+    for row, best in enumerate([5, 2, 6, 1]):
+        logits[row, best] = 1.0
+    logits[1, 7] = float("inf")                  # an infinite logit is still the row's argmax
+    gen = torch.Generator().manual_seed(3)
+    state = gen.get_state()
+    assert verify(logits, Draft([5, 7, 6], None), seq, gen) == ([5, 7, 6, 1], 3)    # all, and a bonus
+    assert verify(logits, Draft([5, 7, 4], None), seq, gen) == ([5, 7, 6], 2)       # the third is off
+    assert verify(logits, Draft([3, 7, 6], None), seq, gen) == ([5], 0)
+    assert verify(logits[:1], Draft([], None), seq, gen) == ([5], 0)
+    assert torch.equal(gen.get_state(), state)   # greedy takes no random number
+    logits[2, 0] = float("nan")
+    with pytest.raises(SamplingFailed):
+        verify(logits, Draft([5, 7, 6], None), seq, gen)
