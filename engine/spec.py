@@ -24,7 +24,7 @@ import torch
 
 from .errors import SamplingFailed
 from .model_runner import ModelRunner, Work
-from .sampler import draw, target_probs, usable
+from .sampler import NO_TOKEN, draw, greedy, target_probs, usable
 from .sequence import Sequence
 
 
@@ -115,13 +115,12 @@ class DraftProposer:
 
 def _choose(logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, torch.Tensor | None] | None]:
     """Each row's draft token and the distribution it was drawn from; None for a row with nothing
-    usable (a non-finite largest logit, or no distribution to sample). A greedy row's token is its
-    argmax and its distribution one-hot, so none is built for it: the sampling distribution over
-    the default model's 49K vocabulary and its checks took ~1.4 ms of a ~13 ms int8 draft step."""
-    best, top = logits.max(-1)
-    finite, top = torch.isfinite(best).tolist(), top.tolist()
+    usable (a NaN logit, or no distribution to sample). A greedy row's token is its argmax and its
+    distribution one-hot, so none is built for it: the sampling distribution over the default
+    model's 49K vocabulary and its checks took ~1.4 ms of a ~13 ms int8 draft step."""
+    top = greedy(logits).tolist()
     chosen: list[tuple[int, torch.Tensor | None] | None] = [
-        (top[r], None) if finite[r] else None for r in range(len(seqs))]
+        (token, None) if token != NO_TOKEN else None for token in top]
     sampled = [r for r, seq in enumerate(seqs) if not seq.params.greedy]
     if sampled:
         p = target_probs(logits[sampled], [seqs[r].params for r in sampled])
@@ -141,10 +140,9 @@ def verify(target_logits: torch.Tensor, draft: Draft, seq: Sequence,
     """
     k = len(draft.tokens)
     if seq.params.greedy:       # one-hot on the target's argmax: no distribution to build
-        best, top = target_logits.max(-1)
-        if bool(torch.isnan(best).any()):
+        top = greedy(target_logits).tolist()
+        if NO_TOKEN in top:
             raise SamplingFailed(NO_DISTRIBUTION)
-        top = top.tolist()
         n = next((i for i, token in enumerate(draft.tokens) if token != top[i]), k)
         return draft.tokens[:n] + [top[n]], n
     p = target_probs(target_logits, [seq.params] * (k + 1))
