@@ -215,20 +215,20 @@ static void unpack_u8_row(const uint8_t *wr, float scale, float *out, int K) {
  * products took 14-21% longer at 8 rows and 8-10% at 16 (2-core AMD EPYC, 2026-11-27, alternating
  * runs; 24-48 rows within the noise, -5% to +1.5%; an -march=haswell build here, 6-row blocks,
  * 4-12% longer at 4-32 rows). */
-#define OUTER_STRIP(SW)                                                                          \
-    static void outer_strip_##SW(const struct outer_job *j, const float *w, int n0, int nw, int m0) { \
-        float acc[OUTER_W][SW];                                                                  \
-        for (int r = 0; r < OUTER_W; r++)                                                        \
+#define OUTER_STRIP_OF(NAME, W, SW)                                                              \
+    static void NAME(const struct outer_job *j, const float *w, int n0, int nw, int m0) {        \
+        float acc[W][SW];                                                                        \
+        for (int r = 0; r < W; r++)                                                              \
             for (int m = 0; m < SW; m++) acc[r][m] = 0.f;                                        \
         const float *xt = j->xt + m0;                                                            \
         int K = j->K, MP = j->MP;                                                                \
-        if (nw == OUTER_W) {                                                                     \
-            const float *ahead = w + (int64_t)OUTER_W * K; /* the next block: fetched meanwhile */ \
+        if (nw == W) {                                                                           \
+            const float *ahead = w + (int64_t)W * K; /* the next block: fetched meanwhile */     \
             for (int k = 0; k < K; k++) {                                                        \
                 const float *xk = xt + (int64_t)k * MP;                                          \
-                if (!j->u8 && m0 == 0 && (k & 15) == 0 && n0 + 2 * OUTER_W <= j->N)             \
-                    for (int r = 0; r < OUTER_W; r++) __builtin_prefetch(ahead + (int64_t)r * K + k, 0, INTO_L2); \
-                for (int r = 0; r < OUTER_W; r++) {                                              \
+                if (!j->u8 && m0 == 0 && (k & 15) == 0 && n0 + 2 * W <= j->N)                    \
+                    for (int r = 0; r < W; r++) __builtin_prefetch(ahead + (int64_t)r * K + k, 0, INTO_L2); \
+                for (int r = 0; r < W; r++) {                                                    \
                     float wr = w[(int64_t)r * K + k];                                            \
                     _Pragma("omp simd") for (int m = 0; m < SW; m++)                             \
                         acc[r][m] = __builtin_fmaf(wr, xk[m], acc[r][m]);                        \
@@ -250,6 +250,7 @@ static void unpack_u8_row(const uint8_t *wr, float scale, float *out, int K) {
             for (int m = 0; m < rows; m++) j->y[(int64_t)(m0 + m) * j->N + n0 + r] = acc[r][m] + b; \
         }                                                                                        \
     }
+#define OUTER_STRIP(SW) OUTER_STRIP_OF(outer_strip_##SW, OUTER_W, SW)
 OUTER_STRIP(8)
 OUTER_STRIP(16)
 #if OUTER_STRIP_MAX == 48
@@ -267,27 +268,7 @@ OUTER_STRIP(48)
  * alternating rounds), 40 rows 3.5% less; the same sums in the same order. At 8 rows alone (a
  * decode batch), where reading the weights sets the pace, it was 5-9% slower: those keep a block
  * at a time, as NEON builds do (not measured there). */
-static void outer_strip_8_pair(const struct outer_job *j, const float *w, int n0, int m0) {
-    enum { PAIR = 2 * OUTER_W };
-    float acc[PAIR][8];
-    for (int r = 0; r < PAIR; r++)
-        for (int m = 0; m < 8; m++) acc[r][m] = 0.f;
-    const float *xt = j->xt + m0;
-    int K = j->K, MP = j->MP;
-    for (int k = 0; k < K; k++) {
-        const float *xk = xt + (int64_t)k * MP;
-        for (int r = 0; r < PAIR; r++) {
-            float wr = w[(int64_t)r * K + k];
-#pragma omp simd
-            for (int m = 0; m < 8; m++) acc[r][m] = __builtin_fmaf(wr, xk[m], acc[r][m]);
-        }
-    }
-    int rows = j->M - m0 < 8 ? j->M - m0 : 8;
-    for (int r = 0; r < PAIR; r++) {
-        float b = j->bias ? j->bias[n0 + r] : 0.f;
-        for (int m = 0; m < rows; m++) j->y[(int64_t)(m0 + m) * j->N + n0 + r] = acc[r][m] + b;
-    }
-}
+OUTER_STRIP_OF(outer_strip_8_pair, (2 * OUTER_W), 8)
 #endif
 
 /* 48 rows as three strips of 16 rather than one of 48 (pd_outer_choose): the same sums in the same
@@ -336,7 +317,7 @@ static void outer_rows(const void *p, int lo, int hi) {
         if (m0 > 0 && !j->u8 && nw == OUTER_W && n0 + 2 * OUTER_W <= hi) {   /* the next block too */
             const float *next = w + (int64_t)OUTER_W * j->K;
             for (int m1 = 0; m1 < m0; m1 += 16) outer_strip_16(j, next, n0 + OUTER_W, OUTER_W, m1);
-            outer_strip_8_pair(j, w, n0, m0);
+            outer_strip_8_pair(j, w, n0, 2 * OUTER_W, m0);
             n0 += OUTER_W;
             continue;
         }
