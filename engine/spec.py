@@ -27,6 +27,9 @@ from .model_runner import ModelRunner, Work
 from .sampler import NO_TOKEN, draw, greedy, target_probs, usable
 from .sequence import Sequence
 
+# What verify raises with when the target's logits have no distribution to sample from
+NO_DISTRIBUTION = "the model's output has no usable distribution to sample from (non-finite logits)"
+
 
 @dataclass
 class Draft:
@@ -127,9 +130,6 @@ def _choose(logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, torch
         for r, row, ok in zip(sampled, p, usable(p).tolist()):
             chosen[r] = (draw(row, seqs[r].generator), row) if ok else None
     return chosen
-
-
-NO_DISTRIBUTION = "the model's output has no usable distribution to sample from (non-finite logits)"
 
 
 def verify(target_logits: torch.Tensor, draft: Draft, seq: Sequence,
