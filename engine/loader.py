@@ -159,8 +159,10 @@ def place_weights(loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
                 missed = True
                 layer.quantize(mode, tensor, device)
             layer.weight = None
-        else:
-            setattr(model.get_submodule(owner), attr, nn.Parameter(tensor.to(device, dtype), requires_grad=False))
+            return
+        placed = tensor.to(device, dtype)
+        if not (layer is not None and owner in quant.OUTSIDE_LAYERS and layer.hold_exact(placed)):
+            setattr(model.get_submodule(owner), attr, nn.Parameter(placed, requires_grad=False))
 
     state = load_hf_state_dict(files, device, dtype, loaded.seed)
     try:

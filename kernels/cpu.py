@@ -156,6 +156,8 @@ _SIGNATURES = {
     "pd_outer_narrow_48": ([_I], _I),
     "pd_linear_f32": ([_P, _P, _P, _P, _I, _I, _I, _I], _I),
     "pd_linear_u8": ([_P, _P, _P, _P, _P, _I, _I, _I, _I], _I),
+    "pd_exact_int8_blocks": ([_P, _L, _I, _P, _P], _I),
+    "pd_linear_exact_int8": ([_P, _P, _P, _P, _P, _I, _I, _I, _I], _I),
     "pd_linear_q4": ([_P, _P, _P, _P, _P, _I, _I, _I, _I], _I),
     "pd_unpack_q4": ([_P, _P, _P, _I, _I, _I], None),
     "pd_unpack_u8": ([_P, _P, _P, _I, _I, _I], None),
@@ -313,6 +315,36 @@ class CpuKernels:
         y = x.new_empty(x.shape[0], weight.shape[0])
         if self.lib.pd_linear_f32(x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
                                   y.data_ptr(), x.shape[0], weight.shape[0], x.shape[1], torch.get_num_threads()):
+            raise MemoryError("CPU linear: out of memory for the transposed activations")
+        return y
+
+    def exact_int8_blocks(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The weight's exact int8 blocks (reference.py) when it has that form, else None: one pass
+        that stops at the first block without it."""
+        if weight.dim() != 2 or not self._ok(weight) or not weight.is_contiguous() \
+                or weight.shape[1] % reference.EXACT_BLOCK:
+            return None
+        N, K = weight.shape
+        q = torch.empty(N, K, dtype=torch.int8)
+        scales = torch.empty(N, K // reference.EXACT_BLOCK)
+        if not self.lib.pd_exact_int8_blocks(weight.data_ptr(), N, K, q.data_ptr(), scales.data_ptr()):
+            return None
+        return q, scales
+
+    def linear_exact_int8(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W^T + bias for W held in exact int8 blocks: the same results as pd_linear_f32 on W."""
+        if not self._ok(x, scales, bias) or q.dtype != torch.int8 or not q.is_cpu \
+                or not (x.is_contiguous() and q.is_contiguous() and scales.is_contiguous()):
+            return reference.linear_exact_int8(x, q, scales, bias)
+        if x.shape[0] > self.fast_rows.limit:      # many rows: BLAS on the weights rebuilt a slice at a time
+            def unpack(n0: int, n1: int, out: torch.Tensor) -> None:
+                out.copy_(reference.dequantize_exact_int8(q[n0:n1], scales[n0:n1]))
+            return self.sliced.matmul(x, q.shape[0], unpack, bias)
+        y = x.new_empty(x.shape[0], q.shape[0])
+        if self.lib.pd_linear_exact_int8(x.data_ptr(), q.data_ptr(), scales.data_ptr(),
+                                         bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                         x.shape[0], q.shape[0], x.shape[1], torch.get_num_threads()):
             raise MemoryError("CPU linear: out of memory for the transposed activations")
         return y
 

@@ -125,22 +125,124 @@ static inline float dot_f32(const float *a, const float *b, int n) {
     return acc;
 }
 
-struct f32_job {
-    const float *x, *w, *bias;
+/* ---- exact 8-bit blocks: an fp32 matrix every 32 weights of whose rows are one scale times
+ * integers in -127..127 (what a GGUF Q8_0 matrix reads as in fp32: the default model's embedding
+ * and tied LM head) is held as those integers and scales, a quarter of its bytes, and its products
+ * rebuild each weight (scale * q, exact in fp32) on the way: the same sums as from the fp32
+ * matrix, bit for bit, on every path below. */
+#define EXACT_BLOCK 32
+
+/* q[N, K] and s[N, K / 32] with s * q == w bit for bit, if w has that form (K a multiple of 32);
+ * returns 0 at the first block that does not (q and s are then partly written). A block's scale
+ * is its largest magnitude over 127: its largest weight is then 127 times the scale exactly. */
+int pd_exact_int8_blocks(const float *w, int64_t N, int K, int8_t *q, float *s) {
+    if (K % EXACT_BLOCK) return 0;
+    for (int64_t b = 0; b < N * (K / EXACT_BLOCK); b++) {
+        const float *wb = w + b * EXACT_BLOCK;
+        float amax = 0.f;
+        for (int i = 0; i < EXACT_BLOCK; i++) amax = fabsf(wb[i]) > amax ? fabsf(wb[i]) : amax;
+        float d = amax / 127.f;
+        for (int i = 0; i < EXACT_BLOCK; i++) {
+            float r = d > 0.f ? rintf(wb[i] / d) : 0.f;
+            float back = d * r;
+            /* (-0 fails: its integer rebuilds as +0) */
+            if (!(fabsf(r) <= 127.f) || memcmp(&back, wb + i, sizeof back) || (r == 0.f && signbit(wb[i]))) return 0;
+            q[b * EXACT_BLOCK + i] = (int8_t)r;
+        }
+        s[b] = d;
+    }
+    return 1;
+}
+
+/* ---- products for a few activation rows, one weight row at a time ------------------------------
+ * Each output is a dot product in a fixed order: four vectors of 8 partial sums (k's product added
+ * into lane k % 8 of vector (k % 32) / 8, k in order), the four vectors added pairwise and their
+ * lanes in a fixed tree, then the k past the last multiple of 32 one at a time. Four chains of
+ * multiply-adds, where GCC made one vector of sums of a plain loop, each add waiting on the last:
+ * hidden while fp32 weights came from memory, not once exact blocks cut their bytes. The default
+ * model's LM head (49,152 rows of 576, two threads, 2-core AMD EPYC, Zen 3, AVX2, 2026-11-28): in
+ * a C harness, rows rebuilt and summed by that loop 3.8 ms, by four chains 2.0, fp32 5.4-5.9; here,
+ * exact blocks 2.3-2.7 ms against fp32 5.5-7.1, fp32 as fast as through the old loop. */
+typedef float f32x8 __attribute__((vector_size(8 * sizeof(float))));
+#define FEW_MAX_ROWS 4      /* below OUTER_MIN_ROWS on every build */
+
+struct few_job {
+    const float *x, *w, *bias;       /* w: fp32 rows; NULL where q8 holds them */
+    const int8_t *q8;                /* exact blocks: the integers, and their scales in s8 */
+    const float *s8;
     float *y;
     int M, N, K;
 };
 
-/* Weight rows [lo, hi) against the few activation rows: each weight row is read from memory once
- * and serves every row's dot product from L1. */
-static void f32_rows(const void *p, int lo, int hi) {
-    const struct f32_job *j = p;
-    for (int n = lo; n < hi; n++) {
-        const float *wr = j->w + (int64_t)n * j->K;
-        float b = j->bias ? j->bias[n] : 0.f;
-        for (int m = 0; m < j->M; m++)
-            j->y[(int64_t)m * j->N + n] = dot_f32(j->x + (int64_t)m * j->K, wr, j->K) + b;
+/* 8 int8 values as floats: by instructions that widen them where the build has them (GCC's own
+ * conversion of a vector of int8 went a lane at a time, and the LM head took twice as long). */
+INLINE f32x8 int8_as_floats(const int8_t *q) {
+    f32x8 v;
+#if defined(__AVX2__)
+    __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+    memcpy(&v, &f, sizeof v);
+#elif PDCHAT_INT8_PATH == PD_INT8_NEON_DOT
+    int16x8_t h = vmovl_s8(vld1_s8(q));
+    float32x4_t f[2] = {vcvtq_f32_s32(vmovl_s16(vget_low_s16(h))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(h)))};
+    memcpy(&v, f, sizeof v);
+#else
+    for (int i = 0; i < 8; i++) v[i] = (float)q[i];
+#endif
+    return v;
+}
+
+/* Weights k..k+7 of row n as a vector (q8: rebuilt from its block's integers and scale). */
+INLINE f32x8 weights_8(const struct few_job *j, int64_t n, int k, const int q8) {
+    f32x8 w;
+    if (q8) {
+        w = int8_as_floats(j->q8 + n * j->K + k) * j->s8[n * (j->K / EXACT_BLOCK) + k / EXACT_BLOCK];
+    } else {
+        memcpy(&w, j->w + n * j->K + k, sizeof w);
     }
+    return w;
+}
+
+/* Weight rows [lo, hi) against M activation rows (M and q8 constants once inlined): each weight
+ * row is read from memory once and serves every activation row from registers. */
+INLINE void few_rows_of(const struct few_job *j, int lo, int hi, const int M, const int q8) {
+    int K = j->K, whole = K & ~31;
+    for (int n = lo; n < hi; n++) {
+        f32x8 acc[FEW_MAX_ROWS][4];
+        for (int m = 0; m < M; m++)
+            for (int v = 0; v < 4; v++) acc[m][v] = (f32x8){0};
+        for (int k = 0; k < whole; k += 32)
+            for (int v = 0; v < 4; v++) {
+                f32x8 w = weights_8(j, n, k + 8 * v, q8);
+                for (int m = 0; m < M; m++) {
+                    f32x8 x;
+                    memcpy(&x, j->x + (int64_t)m * K + k + 8 * v, sizeof x);
+                    acc[m][v] += w * x;
+                }
+            }
+        float b = j->bias ? j->bias[n] : 0.f;
+        for (int m = 0; m < M; m++) {
+            f32x8 t = (acc[m][0] + acc[m][1]) + (acc[m][2] + acc[m][3]);
+            float sum = ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
+            for (int k = whole; k < K; k++) sum += j->w[(int64_t)n * K + k] * j->x[(int64_t)m * K + k];  /* (fp32 only) */
+            j->y[(int64_t)m * j->N + n] = sum + b;
+        }
+    }
+}
+
+/* (a copy of the loops for each count of rows and each form of weights) */
+INLINE void few_rows_by_count(const struct few_job *j, int lo, int hi, const int q8) {
+    switch (j->M) {
+    case 1: few_rows_of(j, lo, hi, 1, q8); break;
+    case 2: few_rows_of(j, lo, hi, 2, q8); break;
+    case 3: few_rows_of(j, lo, hi, 3, q8); break;
+    default: few_rows_of(j, lo, hi, 4, q8);
+    }
+}
+
+static void few_rows(const void *p, int lo, int hi) {
+    const struct few_job *j = p;
+    if (j->q8) few_rows_by_count(j, lo, hi, 1);
+    else few_rows_by_count(j, lo, hi, 0);
 }
 
 /* From OUTER_MIN_ROWS activation rows on, the product runs in outer-product form: x is copied
@@ -153,8 +255,8 @@ static void f32_rows(const void *p, int lo, int hi) {
  * (half a vector of AVX-512) let 17-24 rows cost less than 32 do: the default model's products
  * over its 30 layers, 2-core AMD EPYC, 24 rows 32.6 ms against 39.5 padded to 32, 40 rows 52.7
  * against 59.3, 8 rows 18.0 against 21.1 (2026-11-27; the same bits). A strip of 8 also beats
- * those tiles at 4-7 rows; against one dot product at a time (f32_rows, faster than the tiles at
- * 2-3 rows) it wins from 5 rows on AVX-512 (the layers' 5 rows 18.9 ms against 21.8; at 4 rows
+ * those tiles at 4-7 rows; against one dot product at a time (few_rows, its sums then one chain:
+ * faster than the tiles at 2-3 rows) it wins from 5 rows on AVX-512 (the layers' 5 rows 18.9 ms against 21.8; at 4 rows
  * 18.8 against 18.7, and the vocabulary's 4.3 against 3.4) and from 4 with 256-bit vectors (an
  * -march=haswell build here: 4 rows 18.4 against 26.9, 3 rows 19.9 against 21.4, 2 rows 19.8
  * against 15.0): OUTER_MIN_ROWS, below. 17-24 rows go as one strip of 24 rather than 16 and 8:
@@ -175,12 +277,15 @@ static void f32_rows(const void *p, int lo, int hi) {
 #define OUTER_STRIP_MAX 16
 #define OUTER_MIN_ROWS 4
 #endif
+_Static_assert(FEW_MAX_ROWS >= OUTER_MIN_ROWS - 1, "few_rows_of takes every count below the strips'");
 
-/* The weights of an outer job: fp32 rows (w), or int8 rows (u8: q + 128, one scale a row) that
- * each block unpacks into a buffer of its thread's first (AVX2's int8 prompt rows, below). */
+/* The weights of an outer job: fp32 rows (w), or rows that each block unpacks into a buffer of its
+ * thread's first: int8 (u8: q + 128, one scale a row; AVX2's int8 prompt rows, below) or exact
+ * blocks (q8, one scale per 32 weights). */
 struct outer_job {
     const float *xt, *w, *bias;
     const uint8_t *u8;
+    const int8_t *q8;
     const float *scales;
     float *y;
     int M, MP, N, K;
@@ -207,6 +312,25 @@ static void unpack_u8_row(const uint8_t *wr, float scale, float *out, int K) {
     for (int k = 0; k < K; k++) out[k] = scale * (float)((int)wr[k] - 128);
 }
 
+/* One row of exact blocks as its fp32 weights. */
+static void unpack_q8_row(const int8_t *q, const float *s, float *out, int K) {
+    for (int k0 = 0; k0 < K; k0 += EXACT_BLOCK)
+#pragma omp simd
+        for (int k = k0; k < k0 + EXACT_BLOCK; k++) out[k] = s[k0 / EXACT_BLOCK] * (float)q[k];
+}
+
+/* The outer job's weight rows [n0, n0 + nw) as fp32: where they are, or unpacked into `into`. */
+static const float *weight_block(const struct outer_job *j, int n0, int nw, float *into) {
+    int64_t K = j->K;
+    if (j->w) return j->w + n0 * K;
+    for (int r = 0; r < nw; r++) {
+        int64_t n = n0 + r;
+        if (j->u8) unpack_u8_row(j->u8 + n * K, j->scales[n], into + r * K, j->K);
+        else unpack_q8_row(j->q8 + n * K, j->scales + n * (K / EXACT_BLOCK), into + r * K, j->K);
+    }
+    return into;
+}
+
 /* A block of nw weight rows (OUTER_W but at a matrix's end) against the strip of SW activation rows
  * from m0. Every sum adds its k in order with a fused multiply-add whatever the strip, so a row's
  * result does not depend on the strip it is in (GCC, left to contract `acc += w * x` itself, left
@@ -226,7 +350,7 @@ static void unpack_u8_row(const uint8_t *wr, float scale, float *out, int K) {
             const float *ahead = w + (int64_t)W * K; /* the next block: fetched meanwhile */     \
             for (int k = 0; k < K; k++) {                                                        \
                 const float *xk = xt + (int64_t)k * MP;                                          \
-                if (!j->u8 && m0 == 0 && (k & 15) == 0 && n0 + 2 * W <= j->N)                    \
+                if (j->w && m0 == 0 && (k & 15) == 0 && n0 + 2 * W <= j->N)                      \
                     for (int r = 0; r < W; r++) __builtin_prefetch(ahead + (int64_t)r * K + k, 0, INTO_L2); \
                 for (int r = 0; r < W; r++) {                                                    \
                     float wr = w[(int64_t)r * K + k];                                            \
@@ -280,17 +404,14 @@ static int outer_narrow_48;
 /* Weight rows [lo, hi) (lo a multiple of OUTER_W) against every strip of activation rows. */
 static void outer_rows(const void *p, int lo, int hi) {
     const struct outer_job *j = p;
-    float *unpacked = j->u8 ? thread_scratch(sizeof(float) * OUTER_W * (size_t)j->K) : NULL;
-    if (j->u8 && !unpacked) {
+    float *unpacked = j->w ? NULL : thread_scratch(sizeof(float) * OUTER_W * (size_t)j->K);
+    if (!j->w && !unpacked) {
         __atomic_store_n(j->failed, 1, __ATOMIC_RELAXED);
         return;
     }
     for (int n0 = lo; n0 < hi; n0 += OUTER_W) {
         int nw = hi - n0 < OUTER_W ? hi - n0 : OUTER_W;
-        if (j->u8)
-            for (int r = 0; r < nw; r++)
-                unpack_u8_row(j->u8 + (int64_t)(n0 + r) * j->K, j->scales[n0 + r], unpacked + (int64_t)r * j->K, j->K);
-        const float *w = j->u8 ? unpacked : j->w + (int64_t)n0 * j->K;    /* (j->w is NULL for int8) */
+        const float *w = weight_block(j, n0, nw, unpacked);
         int m0 = 0;
 #if OUTER_STRIP_MAX == 48
         for (; j->MP - m0 > 48; m0 += 32) outer_strip_32(j, w, n0, nw, m0);
@@ -314,7 +435,7 @@ static void outer_rows(const void *p, int lo, int hi) {
         for (; j->MP - m0 >= 16; m0 += 16) outer_strip_16(j, w, n0, nw, m0);
         if (m0 == j->MP) continue;
 #ifdef OUTER_PAIR_8
-        if (m0 > 0 && !j->u8 && nw == OUTER_W && n0 + 2 * OUTER_W <= hi) {   /* the next block too */
+        if (m0 > 0 && j->w && nw == OUTER_W && n0 + 2 * OUTER_W <= hi) {   /* the next block too */
             const float *next = w + (int64_t)OUTER_W * j->K;
             for (int m1 = 0; m1 < m0; m1 += 16) outer_strip_16(j, next, n0 + OUTER_W, OUTER_W, m1);
             outer_strip_8_pair(j, w, n0, 2 * OUTER_W, m0);
@@ -373,15 +494,15 @@ static void transpose_rows(const float *x, float *xt, int M, int MP, int K) {
     }
 }
 
-/* y = x @ W^T + bias in outer-product form, W fp32 (w) or int8 (u8 and its row scales). Returns -1
- * if out of memory. */
-static int outer_product(const float *x, const float *w, const uint8_t *u8, const float *scales, const float *bias,
-                         float *y, int M, int N, int K, int threads) {
+/* y = x @ W^T + bias in outer-product form, W fp32 (w), int8 (u8 and its row scales) or exact blocks
+ * (q8 and its block scales). Returns -1 if out of memory. */
+static int outer_product(const float *x, const float *w, const uint8_t *u8, const int8_t *q8, const float *scales,
+                         const float *bias, float *y, int M, int N, int K, int threads) {
     int MP = (M + 7) & ~7, failed = 0;
     float *xt = malloc(sizeof(float) * (size_t)K * MP);
     if (!xt) return -1;
     transpose_rows(x, xt, M, MP, K);
-    struct outer_job job = {xt, w, bias, u8, scales, y, M, MP, N, K, &failed};
+    struct outer_job job = {xt, w, bias, u8, q8, scales, y, M, MP, N, K, &failed};
     int chunk = (N / (4 * threads) + OUTER_W - 1) / OUTER_W * OUTER_W;
     parallel_rows(outer_rows, &job, N, chunk < OUTER_W ? OUTER_W : chunk, threads);
     free(xt);
@@ -418,7 +539,7 @@ int pd_outer_choose(void) {
     for (int run = -2; run < 10; run++) {       /* (the first two fault the pages in) */
         outer_narrow_48 = run & 1;
         double start = seconds_now();
-        failed |= outer_product(x, w, NULL, NULL, NULL, y, M, N, K, 1);
+        failed |= outer_product(x, w, NULL, NULL, NULL, NULL, y, M, N, K, 1);
         double took = seconds_now() - start;
         if (run >= 0 && took < best[run & 1]) best[run & 1] = took;
     }
@@ -431,13 +552,26 @@ int pd_outer_choose(void) {
 }
 
 /* y[M, N] = x[M, K] @ w[N, K]^T + bias for small M (decode batches, speculative verification,
- * prefill chunks). Below OUTER_MIN_ROWS one dot product at a time (f32_rows), from there on the
+ * prefill chunks). Below OUTER_MIN_ROWS one dot product at a time (few_rows), from there on the
  * outer-product form above. Returns -1 if out of memory. */
 int pd_linear_f32(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
                   int threads) {
-    if (M >= OUTER_MIN_ROWS) return outer_product(x, w, NULL, NULL, bias, y, M, N, K, threads);
-    struct f32_job job = {x, w, bias, y, M, N, K};
-    parallel_rows(f32_rows, &job, N, row_chunk(N, threads), threads);
+    if (M <= 0) return 0;               /* (a forward that samples no row asks for no logits) */
+    if (M >= OUTER_MIN_ROWS) return outer_product(x, w, NULL, NULL, NULL, bias, y, M, N, K, threads);
+    struct few_job job = {x, w, bias, NULL, NULL, y, M, N, K};
+    parallel_rows(few_rows, &job, N, row_chunk(N, threads), threads);
+    return 0;
+}
+
+/* pd_linear_f32 on a matrix held in exact blocks (q [N, K], s [N, K / 32]): the same results as on
+ * its fp32 weights, bit for bit. */
+int pd_linear_exact_int8(const float *x, const int8_t *q, const float *s, const float *bias, float *y, int M,
+                         int N, int K, int threads) {
+    if (K % EXACT_BLOCK) return -2;
+    if (M <= 0) return 0;
+    if (M >= OUTER_MIN_ROWS) return outer_product(x, NULL, NULL, q, s, bias, y, M, N, K, threads);
+    struct few_job job = {x, NULL, bias, q, s, y, M, N, K};
+    parallel_rows(few_rows, &job, N, row_chunk(N, threads), threads);
     return 0;
 }
 
@@ -636,7 +770,7 @@ int pd_linear_u8(const float *x, const uint8_t *w, const float *scales, const fl
 #ifdef VNNI_OUTER_MIN_ROWS
     if (M >= VNNI_OUTER_MIN_ROWS) return vnni_outer(OUTER_U8, x, w, scales, bias, y, M, N, K, threads);
 #elif PDCHAT_INT8_PATH == PD_INT8_AVX2
-    if (M >= AVX2_U8_DEQUANT_ROWS) return outer_product(x, NULL, w, scales, bias, y, M, N, K, threads);
+    if (M >= AVX2_U8_DEQUANT_ROWS) return outer_product(x, NULL, w, NULL, scales, bias, y, M, N, K, threads);
 #endif
     int nb = K / QBLOCK;
     int8_t *hi = malloc((size_t)2 * M * K);

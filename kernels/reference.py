@@ -198,6 +198,27 @@ def linear_int8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     return y + bias if bias is not None else y
 
 
+# Exact int8 blocks: an fp32 matrix whose every 32 weights of a row are one scale times integers in
+# -127..127 (a GGUF Q8_0 matrix read as fp32), held as (q int8 [N, K], scales fp32 [N, K / 32]):
+# weight == scales * q exactly, at a quarter of the bytes. A backend that finds the form
+# (`exact_int8_blocks`) multiplies by it from then on; this one leaves every matrix as it is.
+EXACT_BLOCK = 32
+
+
+def exact_int8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    return None
+
+
+def dequantize_exact_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The fp32 weights of exact blocks (rows of them: an embedding's lookups too)."""
+    return (q.float().unflatten(-1, (-1, EXACT_BLOCK)) * scales.unsqueeze(-1)).flatten(-2)
+
+
+def linear_exact_int8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    return linear(x, dequantize_exact_int8(q, scales).to(x.dtype), bias)
+
+
 def int8_supported(device: torch.device) -> bool:
     """Whether this torch build runs the int8 weight-only matmul on the device."""
     try:

@@ -33,6 +33,51 @@ def test_linear_matches_reference(ops, rows, bias, width):
     torch.testing.assert_close(ops.linear(x, w, b), reference.linear(x, w, b), **TOL)
 
 
+def exact_blocks(N: int, K: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w, q, scales): w in the form of a GGUF Q8_0 matrix read as fp32, every 32 weights of a row
+    an fp16 scale times integers in -127..127, each block reaching 127 in magnitude (as quantizing
+    makes it)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-126, 127, (N, K // 32, 32), generator=g, dtype=torch.int8)
+    q[:, :, 5] = torch.where(torch.rand(N, K // 32, generator=g) < 0.5, -127, 127).to(torch.int8)
+    scales = (torch.rand(N, K // 32, generator=g) * 0.02 + 1e-3).half().float()
+    w = (q.float() * scales[..., None]).view(N, K)
+    return w, q.view(N, K), scales
+
+
+# 0: a forward that samples no row (a prefill worker's); 1-3: a dot product a weight row at a time
+# (4 too on AVX-512); from there the strips; 145: past every build's fast rows (BLAS on weights
+# rebuilt a slice at a time).
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 8, 9, 24, 40, 48, 145])
+@pytest.mark.parametrize("bias", [False, True])
+def test_exact_int8_blocks_give_the_fp32_products_bit_for_bit(ops, rows, bias):
+    w, q, scales = exact_blocks(83, 192, seed=rows)
+    found = ops.exact_int8_blocks(w)
+    assert found is not None and torch.equal(found[0], q) and torch.equal(found[1], scales)
+    x, b = rand(rows, 192, seed=1), rand(83, seed=2) if bias else None
+    got = ops.linear_exact_int8(x, *found, b)
+    if rows <= ops.fast_rows.limit:
+        assert torch.equal(got, ops.linear(x, w, b))
+    else:
+        torch.testing.assert_close(got, reference.linear(x, w, b), **TOL)
+    torch.testing.assert_close(got, reference.linear_exact_int8(x, q, scales, b), **TOL)
+
+
+def test_only_matrices_of_exact_blocks_are_held_as_them(ops):
+    w = exact_blocks(8, 64)[0]
+    assert ops.exact_int8_blocks(torch.zeros(4, 64)) is not None          # a block of zeros: scale 0
+    assert ops.exact_int8_blocks(w[:, :48].contiguous()) is None          # rows not whole blocks
+    assert ops.exact_int8_blocks(w[:, ::2]) is None                       # not contiguous
+    assert ops.exact_int8_blocks(w.double()) is None
+    step = w[3, 32:64].abs().max() / 127
+    for spoil in (lambda v: torch.nextafter(v, torch.tensor(1.0)),       # one ulp off
+                  lambda v: v + step / 2,                                 # half a step of its block
+                  lambda v: -0.0 * v.abs()):                              # -0: an integer rebuilds +0
+        bad = w.clone()
+        bad[3, 40] = spoil(bad[3, 40])
+        assert ops.exact_int8_blocks(bad) is None
+
+
 @pytest.mark.parametrize("rows", [41, 48])
 def test_48_rows_give_the_same_sums_in_one_strip_or_three(ops, rows):
     """pd_outer_choose picks by time how 48 rows go; either way each sum adds its k in order, so

@@ -1,0 +1,96 @@
+"""A model whose embedding and LM head are GGUF Q8_0 matrices read as fp32 (the default model's
+embedding and tied head): on the CPU kernels they are held as exact int8 blocks, a quarter of the
+bytes, and the model's numbers do not move by a bit."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from pdchat.engine import Engine, SamplingParams, quant
+from pdchat.engine.random_models import byte_tokenizer, preset_config, random_state_dict
+from pdchat.kernels import cpu
+
+HEADS = ("model.embed_tokens.weight", "lm_head.weight")
+PROMPT = list(range(60, 100))        # 40 tokens: the strips' path; a decode row takes the dot path
+
+
+def q8_0_form(w: torch.Tensor) -> torch.Tensor:
+    """What a GGUF Q8_0 matrix reads as: per 32 weights an fp16 scale times integers in -127..127."""
+    blocks = w.view(-1, 32)
+    scale = (blocks.abs().amax(dim=1) / 127).half().float()
+    q = torch.round(blocks / scale[:, None]).clamp(-127, 127).to(torch.int8)     # (no -0: integers)
+    return (q.float() * scale[:, None]).view_as(w)
+
+
+@pytest.fixture(scope="module")
+def q8_folder(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("q8-heads")
+    cfg = preset_config("tiny")                        # an untied head: two matrices outside the layers
+    state = random_state_dict(cfg, seed=3)
+    for name in HEADS:
+        state[name] = q8_0_form(state[name])
+    save_file(state, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(cfg))
+    byte_tokenizer().save_pretrained(str(folder))
+    return folder
+
+
+def run(folder: Path, **settings) -> tuple[Engine, torch.Tensor, list[int]]:
+    engine = Engine(model=str(folder), device="cpu", telemetry=False, kv_cache_mb=16, **settings)
+    logits = engine.prompt_logits(PROMPT)
+    tokens = engine.submit(PROMPT, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)).result().token_ids
+    return engine, logits, tokens
+
+
+@pytest.fixture(scope="module")
+def as_fp32(q8_folder) -> tuple[torch.Tensor, list[int], int]:
+    """The same model with the form not looked for: fp32 matrices, as before exact blocks."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu.CpuKernels, "exact_int8_blocks", lambda self, weight: None)
+        engine, logits, tokens = run(q8_folder)
+        with engine:
+            assert all(m.weight is not None for m in quant.quantized_layers(engine.loaded.model).values())
+            return logits, tokens, engine.stats().model_bytes
+
+
+def test_q8_0_heads_are_held_as_exact_blocks_and_change_no_number(q8_folder, as_fp32):
+    engine, logits, tokens = run(q8_folder)
+    with engine:
+        model = engine.loaded.model
+        for name in ("embed", "lm_head"):
+            layer = model.get_submodule(name)
+            assert layer.weight is None and layer.quantized["none"].fmt == quant.EXACT
+        assert all(m.weight is not None for m in model.layers.modules() if isinstance(m, quant.QuantLinear))
+        fp_logits, fp_tokens, fp_bytes = as_fp32
+        assert torch.equal(logits, fp_logits)          # the embedding's rows and the head's products
+        assert tokens == fp_tokens
+        vocab, hidden = model.cfg.vocab_size, model.cfg.hidden_size
+        saved = 2 * vocab * hidden * 4 - 2 * (vocab * hidden + vocab * hidden // 32 * 4)
+        assert fp_bytes - engine.stats().model_bytes == saved
+
+
+def test_precision_switches_and_the_self_draft_keep_exact_heads(q8_folder, as_fp32):
+    engine, logits, _ = run(q8_folder)
+    with engine:
+        embed = engine.loaded.model.embed
+        engine.update(quant="int8")
+        assert embed.quantized["int8"].fmt == "int8" and "none" not in embed.quantized
+        engine.update(quant="none")
+        assert embed.quantized["none"].fmt == quant.EXACT
+        assert torch.equal(engine.prompt_logits(PROMPT), logits)
+        held = engine.stats().model_bytes
+        engine.update(spec="draft")                    # int8 copies beside, the head's made from its blocks
+        assert set(embed.quantized) == {"none", "int8"} and embed.weight is None
+        drafted = engine.submit(PROMPT, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)).result()
+        assert drafted.token_ids == as_fp32[1]         # speculation never changes greedy output
+        engine.update(spec="off")
+        assert set(embed.quantized) == {"none"} and engine.stats().model_bytes == held
+
+
+def test_matrices_not_of_that_form_stay_fp32(tiny_engine):
+    model = tiny_engine.loaded.model
+    assert model.embed.weight is not None and "none" not in model.embed.quantized
