@@ -7,7 +7,7 @@ import pytest
 
 from pdchat.engine.model_config import ModelConfig
 from pdchat.engine.step_cost import (Coefficients, StepCost, attention_pairs, charged_tokens, pair_flops_ratio,
-                                      vector_split)
+                                      vector_split, _linear_solve)
 from pdchat.kernels import FastRows
 
 
@@ -500,3 +500,8 @@ def test_with_vectors_of_two_rows_a_slice_still_ends_where_a_vector_ends():
     cost = _priced((U,) * 4, 0.0, 15 * U, FastRows(8, 2))
     assert cost.tokens_within(4.5 * U, 0, other_rows=1) == 3
     assert cost.prefill_seconds(0, 3, other_rows=1) <= 4.5 * U < cost.prefill_seconds(0, 4, other_rows=1)
+
+
+def test_the_fits_linear_solve_solves_and_says_when_it_cannot():
+    assert _linear_solve([[2.0, 1.0], [1.0, 3.0]], [4.0, 7.0]) == pytest.approx([1.0, 2.0])
+    assert _linear_solve([[1.0, 2.0], [2.0, 4.0]], [1.0, 2.0]) is None       # singular
