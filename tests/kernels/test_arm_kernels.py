@@ -17,14 +17,14 @@ from pdchat.kernels import cpu, reference
 
 from .batch import Batch
 from tests.kernel_variants import record_variant
-from .test_cpu_kernels import int4_product_in_integers
+from .test_cpu_kernels import exact_blocks, int4_product_in_integers
 
 TOOLS = {"aarch64-linux-gnu-gcc": "gcc-aarch64-linux-gnu", "qemu-aarch64": "qemu-user"}   # -> Debian package
 CC, QEMU = TOOLS
 DRIVER = Path(__file__).with_name("arm_driver.c")
 TOL = dict(atol=1e-5, rtol=1e-4)                  # as test_cpu_kernels
 # Operation codes and header size of arm_driver.c
-LINEAR_U8, LINEAR_F32, RMS_NORM, ADD_RMS_NORM, SILU_MUL, ROPE, ATTENTION, LINEAR_Q4 = range(1, 9)
+LINEAR_U8, LINEAR_F32, RMS_NORM, ADD_RMS_NORM, SILU_MUL, ROPE, ATTENTION, LINEAR_Q4, LINEAR_EXACT = range(1, 10)
 DIMS = 7
 
 
@@ -89,6 +89,20 @@ def int4_jobs() -> list[Job]:
             job("int4 extremes", ext_x, reference.pack_int4(u), ext_params, torch.zeros(4))]
 
 
+def exact_jobs() -> list[Job]:
+    """Exact int8 blocks against fp32 on their rebuilt weights, at a few rows (the dot path, int8
+    widened by NEON) and at strips; each pair's results must be equal bit for bit (the test)."""
+    w, q, scales = exact_blocks(40, 96, seed=15)
+    bias = rand(40, seed=16)
+    out = []
+    for rows in (2, 9):
+        x = rand(rows, 96, seed=17)
+        want = [reference.linear(x, w, bias)]
+        out += [Job(f"linear f32, {rows} rows of exact weights", LINEAR_F32, (rows, 40, 96), [x, w, bias], want, TOL),
+                Job(f"exact int8 blocks, {rows} rows", LINEAR_EXACT, (rows, 40, 96), [x, q, scales, bias], want, TOL)]
+    return out
+
+
 def fp32_jobs() -> list[Job]:
     """The other kernels of a layer, at test_cpu_kernels' shapes."""
     xf, wf, bf = rand(6, 96, seed=5), rand(40, 96, seed=3), rand(40, seed=4)   # 6 rows: one strip of 8 on NEON
@@ -119,7 +133,7 @@ def attention_job(name: str, qlens: list[int], clens: list[int], kv_heads: int, 
 
 
 def jobs() -> list[Job]:
-    return [*int8_jobs(), *int4_jobs(), *fp32_jobs(),
+    return [*int8_jobs(), *int4_jobs(), *exact_jobs(), *fp32_jobs(),
             attention_job("decode", [1], [37], 2, 4, 64),                        # serial (below ATTENTION_PAR_MACS)
             attention_job("multi-query", [5, 1, 3], [5, 33, 20], 3, 3, 32),      # on the pool
             attention_job("full tiles", [20, 1, 4], [90, 40, 33], 3, 3, 64, block_size=16)]   # the unrolled path
@@ -182,5 +196,9 @@ def test_aarch64_kernels_match_the_reference_under_qemu(tmp_path, int8, expected
                 assert err < limit, job.name
             else:
                 torch.testing.assert_close(got, want, **job.tol, msg=lambda m, job=job: f"{job.name}: {m}")
+    by_name = {job.name: outs for job, outs in zip(todo, results)}
+    for rows in (2, 9):
+        exact, fp32 = by_name[f"exact int8 blocks, {rows} rows"][0], by_name[f"linear f32, {rows} rows of exact weights"][0]
+        assert torch.equal(exact, fp32), rows
     if expected_path == "neon-dot":
         record_variant("neon-dot", "built and tested under qemu-aarch64")
