@@ -342,9 +342,12 @@ class CpuKernels:
                 out.copy_(reference.dequantize_exact_int8(q[n0:n1], scales[n0:n1]))
             return self.sliced.matmul(x, q.shape[0], unpack, bias)
         y = x.new_empty(x.shape[0], q.shape[0])
-        if self.lib.pd_linear_exact_int8(x.data_ptr(), q.data_ptr(), scales.data_ptr(),
-                                         bias.data_ptr() if bias is not None else None, y.data_ptr(),
-                                         x.shape[0], q.shape[0], x.shape[1], torch.get_num_threads()):
+        status = self.lib.pd_linear_exact_int8(x.data_ptr(), q.data_ptr(), scales.data_ptr(),
+                                               bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                               x.shape[0], q.shape[0], x.shape[1], torch.get_num_threads())
+        if status == -2:
+            raise ValueError(f"exact int8 blocks: rows of {x.shape[1]} weights are not whole blocks of 32")
+        if status != 0:
             raise MemoryError("CPU linear: out of memory for the transposed activations")
         return y
 

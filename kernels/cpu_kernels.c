@@ -564,7 +564,7 @@ int pd_linear_f32(const float *x, const float *w, const float *bias, float *y, i
 }
 
 /* pd_linear_f32 on a matrix held in exact blocks (q [N, K], s [N, K / 32]): the same results as on
- * its fp32 weights, bit for bit. */
+ * its fp32 weights, bit for bit. Returns -1 if out of memory, -2 if K is not whole blocks. */
 int pd_linear_exact_int8(const float *x, const int8_t *q, const float *s, const float *bias, float *y, int M,
                          int N, int K, int threads) {
     if (K % EXACT_BLOCK) return -2;

@@ -76,6 +76,8 @@ def test_only_matrices_of_exact_blocks_are_held_as_them(ops):
         bad = w.clone()
         bad[3, 40] = spoil(bad[3, 40])
         assert ops.exact_int8_blocks(bad) is None
+    with pytest.raises(ValueError, match="whole blocks of 32"):      # rows the C code cannot take
+        ops.linear_exact_int8(rand(1, 48), torch.zeros(8, 48, dtype=torch.int8), torch.ones(8, 1))
 
 
 @pytest.mark.parametrize("rows", [41, 48])
