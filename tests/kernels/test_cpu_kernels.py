@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pdchat import kernels
-from pdchat.kernels import cpu, reference
+from pdchat.kernels import cpu, cpu_products, reference
 
 from .batch import Batch
 
@@ -119,7 +119,7 @@ def test_the_fast_rows_follow_the_build(ops):
     x86 = platform.machine().lower() in ("x86_64", "amd64")
     flags = cpu.cpu_flags()
     wide = x86 and "avx2" in flags and "avx512f" not in flags
-    assert ops.fast_rows == kernels.FastRows(144 if wide else 48, cpu.ROW_GRANULE)
+    assert ops.fast_rows == kernels.FastRows(144 if wide else 48, cpu_products.ROW_GRANULE)
     assert ops.quant_max_rows >= ops.fast_rows.limit
 
 
@@ -331,7 +331,7 @@ def test_prefill_sized_quantized_products_unpack_to_blas_slice_by_slice(ops, fmt
     if limit >= 1 << 20:
         pytest.skip(f"this build multiplies {fmt} weights in integers at every row count (pd_quant_max_rows)")
     if slice_rows is not None:
-        monkeypatch.setattr(cpu, "UNPACK_FLOATS", 192 * slice_rows)
+        monkeypatch.setattr(cpu_products, "UNPACK_FLOATS", 192 * slice_rows)
     w, bias = rand(80, 192, seed=6), rand(80, seed=8)
     x = rand(limit + 3, 192, seed=7)
     if fmt == "int4":

@@ -1,0 +1,168 @@
+"""The CPU backend's matrix products (cpu_kernels.c through ctypes; cpu.py builds and binds the
+library): fp32, exact int8 blocks, int8 and int4 weights, each for small row counts in C and by
+BLAS past them, with the reference's twin wherever the C code does not cover the tensors."""
+from __future__ import annotations
+
+import ctypes
+from typing import Callable
+
+import torch
+
+from . import FastRows, reference
+
+# Up to a build's fast rows (pd_fast_rows: 48 with AVX-512, 144 on other x86 builds with AVX2) a
+# forward runs in one C call; above them op by op, where BLAS's matrix-matrix products win
+# (measured, README), for fp32 and, on weights unpacked slice by slice, for int8 and int4 too (on
+# AVX-512, int4's integer kernel up to 96 rows made prompts of 48-96 tokens 0.64-0.87x as fast as
+# fp32 on the default model, 2026-11-26), except where the build's integer kernels say they go
+# further (pd_quant_max_rows: the VNNI builds', all the way).
+# Rows by which the fp32 products' cost rises (outer-product strips of 8, cpu_kernels.c): 41 rows
+# cost what 48 do, 17 what 24 do. The AVX-512 VNNI integer kernels take rows 16 at a time, so there
+# every other step of 8 costs nothing, which the step cost model's price per vector learns.
+ROW_GRANULE = 8
+UNPACK_FLOATS = 1 << 22    # quantized weights unpacked for BLAS this many at a time (16 MB, one buffer)
+QBLOCK = 64                # activation quantization block of the int8 product (cpu_kernels.c)
+
+
+class SlicedBlas:
+    """x @ W^T (+ bias) with BLAS for a matrix held quantized: W unpacked UNPACK_FLOATS at a time
+    into one buffer kept for the next call. Unpacking a whole matrix into new memory per call
+    (page faults on hundreds of MB) took 3x the product itself (measured, README)."""
+
+    def __init__(self) -> None:
+        self._slice: torch.Tensor | None = None
+
+    def matmul(self, x: torch.Tensor, N: int, unpack: Callable[[int, int, torch.Tensor], None],
+               bias: torch.Tensor | None) -> torch.Tensor:
+        """unpack(n0, n1, out) writes rows n0:n1 of W, as floats, into out."""
+        K = x.shape[1]
+        rows = max(1, min(N, UNPACK_FLOATS // K))
+        if self._slice is None or self._slice.numel() < rows * K:
+            self._slice = torch.empty(rows * K)
+        y = x.new_empty(x.shape[0], N)
+        for n0 in range(0, N, rows):
+            n1 = min(N, n0 + rows)
+            w = self._slice[:(n1 - n0) * K].view(n1 - n0, K)
+            unpack(n0, n1, w)
+            torch.mm(x, w.t(), out=y[:, n0:n1])
+        return y.add_(bias) if bias is not None else y
+
+
+class CpuProducts:
+    """The matrix products of one build of the library (CpuKernels adds the other ops)."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+        # a forward of up to this many rows can be one C call; its products beat BLAS up to them
+        self.fast_rows = FastRows(lib.pd_fast_rows(), ROW_GRANULE)
+        self.sliced = SlicedBlas()                  # quantized products of long prefills
+        # rows up to which the C int8 and int4 products beat BLAS on unpacked weights
+        self.quant_max_rows = max(self.fast_rows.limit, lib.pd_quant_max_rows())
+
+    @staticmethod
+    def _ok(*tensors: torch.Tensor | None) -> bool:
+        for t in tensors:     # (a plain loop: this runs ~300 times per decode step)
+            if t is not None and (t.dtype is not torch.float32 or not t.is_cpu):
+                return False
+        return True
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[0] > self.fast_rows.limit or not self._ok(x, weight, bias) or not x.is_contiguous():
+            return reference.linear(x, weight, bias)
+        y = x.new_empty(x.shape[0], weight.shape[0])
+        if self.lib.pd_linear_f32(x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
+                                  y.data_ptr(), x.shape[0], weight.shape[0], x.shape[1], torch.get_num_threads()):
+            raise MemoryError("CPU linear: out of memory for the transposed activations")
+        return y
+
+    def exact_int8_blocks(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The weight's exact int8 blocks (reference.py) when it has that form, else None: one pass
+        that stops at the first block without it."""
+        if weight.dim() != 2 or not self._ok(weight) or not weight.is_contiguous() \
+                or weight.shape[1] % reference.EXACT_BLOCK:
+            return None
+        N, K = weight.shape
+        q = torch.empty(N, K, dtype=torch.int8)
+        scales = torch.empty(N, K // reference.EXACT_BLOCK)
+        if not self.lib.pd_exact_int8_blocks(weight.data_ptr(), N, K, q.data_ptr(), scales.data_ptr()):
+            return None
+        return q, scales
+
+    def linear_exact_int8(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W^T + bias for W held in exact int8 blocks: the same results as pd_linear_f32 on W."""
+        if not self._ok(x, scales, bias) or q.dtype != torch.int8 or not q.is_cpu \
+                or not (x.is_contiguous() and q.is_contiguous() and scales.is_contiguous()):
+            return reference.linear_exact_int8(x, q, scales, bias)
+        if x.shape[0] > self.fast_rows.limit:      # many rows: BLAS on the weights rebuilt a slice at a time
+            def unpack(n0: int, n1: int, out: torch.Tensor) -> None:
+                out.copy_(reference.dequantize_exact_int8(q[n0:n1], scales[n0:n1]))
+            return self.sliced.matmul(x, q.shape[0], unpack, bias)
+        y = x.new_empty(x.shape[0], q.shape[0])
+        status = self.lib.pd_linear_exact_int8(x.data_ptr(), q.data_ptr(), scales.data_ptr(),
+                                               bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                               x.shape[0], q.shape[0], x.shape[1], torch.get_num_threads())
+        if status == -2:
+            raise ValueError(f"exact int8 blocks: rows of {x.shape[1]} weights are not whole blocks of 32")
+        if status != 0:
+            raise MemoryError("CPU linear: out of memory for the transposed activations")
+        return y
+
+    def pack_int8(self, q: torch.Tensor, scales: torch.Tensor,
+                  act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.shape[1] % QBLOCK or act_dtype != torch.float32 or q.device.type != "cpu":
+            return reference.pack_int8(q, scales, act_dtype)
+        # Offset binary (q + 128) for the unsigned x signed dot product: flipping the sign bit.
+        return q.view(torch.uint8) ^ 0x80, scales.float().contiguous()
+
+    @staticmethod
+    def unpack_int8(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if packed.dtype == torch.uint8:
+            return (packed ^ 0x80).view(torch.int8), scales.float()
+        return reference.unpack_int8(packed, scales)
+
+    def linear_int8(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+        if packed.dtype != torch.uint8 or not self._ok(x, bias):
+            return reference.linear_int8(x, packed, scales, bias)
+        if x.shape[0] > self.quant_max_rows:
+            # A long prefill on a build without VNNI: BLAS beats its integer kernel there (measured,
+            # README), on weights unpacked in C on the pool (torch's element-wise passes cost a sixth
+            # of it).
+            def unpack(n0: int, n1: int, out: torch.Tensor) -> None:
+                self.lib.pd_unpack_u8(packed[n0].data_ptr(), scales[n0].data_ptr(), out.data_ptr(), n1 - n0,
+                                      packed.shape[1], torch.get_num_threads())
+            return self.sliced.matmul(x, packed.shape[0], unpack, bias)
+        x = x.contiguous()
+        y = x.new_empty(x.shape[0], packed.shape[0])
+        status = self.lib.pd_linear_u8(x.data_ptr(), packed.data_ptr(), scales.data_ptr(),
+                                       bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                       x.shape[0], packed.shape[0], x.shape[1], torch.get_num_threads())
+        if status != 0:
+            raise MemoryError("int8 matmul: out of memory for the quantized activations")
+        return y
+
+    def linear_int4(self, x: torch.Tensor, packed: torch.Tensor, params: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not self._ok(x, bias) or packed.device.type != "cpu" or params.dtype != torch.bfloat16:
+            return reference.linear_int4(x, packed, params, bias)
+        N, K = packed.shape[0], packed.shape[1] * 2
+        if x.shape[0] > self.quant_max_rows:
+            # As for int8, unpacked in C on the pool (torch's element-wise unpacking took longer
+            # than the product).
+            def unpack(n0: int, n1: int, out: torch.Tensor) -> None:
+                self.lib.pd_unpack_q4(packed[n0].data_ptr(), params[n0].data_ptr(), out.data_ptr(), n1 - n0, K,
+                                      torch.get_num_threads())
+            return self.sliced.matmul(x, N, unpack, bias)
+        x = x.contiguous()
+        y = x.new_empty(x.shape[0], N)
+        status = self.lib.pd_linear_q4(x.data_ptr(), packed.data_ptr(), params.data_ptr(),
+                                       bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                       x.shape[0], N, K, torch.get_num_threads())
+        if status != 0:
+            raise MemoryError("int4 matmul: out of memory for the quantized activations")
+        return y
+
+    @staticmethod
+    def int8_supported(device: torch.device) -> bool:
+        return device.type == "cpu" or reference.int8_supported(device)
