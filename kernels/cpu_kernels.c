@@ -339,8 +339,8 @@ static const float *weight_block(const struct outer_job *j, int n0, int nw, floa
  * products took 14-21% longer at 8 rows and 8-10% at 16 (2-core AMD EPYC, 2026-11-27, alternating
  * runs; 24-48 rows within the noise, -5% to +1.5%; an -march=haswell build here, 6-row blocks,
  * 4-12% longer at 4-32 rows). */
-#define OUTER_STRIP_OF(NAME, W, SW)                                                              \
-    static void NAME(const struct outer_job *j, const float *w, int n0, int nw, int m0) {        \
+#define OUTER_STRIP_OF(NAME, W, SW, WIDTH)                                                       \
+    WIDTH static void NAME(const struct outer_job *j, const float *w, int n0, int nw, int m0) {  \
         float acc[W][SW];                                                                        \
         for (int r = 0; r < W; r++)                                                              \
             for (int m = 0; m < SW; m++) acc[r][m] = 0.f;                                        \
@@ -374,13 +374,29 @@ static const float *weight_block(const struct outer_job *j, int n0, int nw, floa
             for (int m = 0; m < rows; m++) j->y[(int64_t)(m0 + m) * j->N + n0 + r] = acc[r][m] + b; \
         }                                                                                        \
     }
-#define OUTER_STRIP(SW) OUTER_STRIP_OF(outer_strip_##SW, OUTER_W, SW)
-OUTER_STRIP(8)
-OUTER_STRIP(16)
+/* A strip wider than 8 rows keeps its sums in registers only as vectors of the build's full width
+ * (6 x 16 rows: 12 of 16 ymm registers; 8 x 48: 24 of 32 zmm), but GCC's tuning for some CPUs
+ * prefers narrower vectors (-march=native on a Zen 1: 128 bits; on a Skylake-X: 256), and with
+ * those the sums spilled to the stack inside the loop over k. On a 2-core AMD EPYC (Zen 1, AVX2,
+ * 2026-12-01) the default model's 30 layers of 16-row products took 80 ms that way, 58 at full
+ * width. A strip of 8 fits either way, so it keeps the tuning's choice: there 12 sums of 128 bits
+ * beat 6 of 256 (32 ms against 43 at 8 rows), since a 256-bit broadcast costs that CPU a vector
+ * operation beside each multiply-add. (Clang has no such attribute; its tuning was not seen to
+ * narrow vectors.) */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__AVX512F__)
+#define FULL_WIDTH __attribute__((target("prefer-vector-width=512")))
+#elif defined(__GNUC__) && !defined(__clang__) && defined(__AVX__)
+#define FULL_WIDTH __attribute__((target("prefer-vector-width=256")))
+#else
+#define FULL_WIDTH
+#endif
+#define OUTER_STRIP(SW, WIDTH) OUTER_STRIP_OF(outer_strip_##SW, OUTER_W, SW, WIDTH)
+OUTER_STRIP(8, )
+OUTER_STRIP(16, FULL_WIDTH)
 #if OUTER_STRIP_MAX == 48
-OUTER_STRIP(24)
-OUTER_STRIP(32)
-OUTER_STRIP(48)
+OUTER_STRIP(24, FULL_WIDTH)
+OUTER_STRIP(32, FULL_WIDTH)
+OUTER_STRIP(48, FULL_WIDTH)
 #endif
 
 #if OUTER_STRIP_MAX == 16 && defined(__AVX__)
@@ -391,8 +407,11 @@ OUTER_STRIP(48)
  * default model's 30 layers of 24-row products took 7-10% less time (paired medians of 20
  * alternating rounds), 40 rows 3.5% less; the same sums in the same order. At 8 rows alone (a
  * decode batch), where reading the weights sets the pace, it was 5-9% slower: those keep a block
- * at a time, as NEON builds do (not measured there). */
-OUTER_STRIP_OF(outer_strip_8_pair, (2 * OUTER_W), 8)
+ * at a time, as NEON builds do (not measured there). Where the tuning makes a strip of 8 twelve
+ * sums of 128 bits (a Zen 1: FULL_WIDTH above) the pairs were 4-8% slower at 24 and 40 rows
+ * (2026-12-01), so each machine times both (pd_outer_choose). */
+OUTER_STRIP_OF(outer_strip_8_pair, (2 * OUTER_W), 8, FULL_WIDTH)
+static int outer_pair_8 = 1;
 #endif
 
 /* 48 rows as three strips of 16 rather than one of 48 (pd_outer_choose): the same sums in the same
@@ -400,6 +419,9 @@ OUTER_STRIP_OF(outer_strip_8_pair, (2 * OUTER_W), 8)
  * default model's 48-row products in 62-63 ms where one took 70-71 (2026-11-27), where the
  * 48-row strip had been chosen on an Intel VM; so each machine times both. */
 static int outer_narrow_48;
+#ifndef OUTER_PAIR_8
+static int outer_pair_8;       /* (a build without the pairs: never set) */
+#endif
 
 /* Weight rows [lo, hi) (lo a multiple of OUTER_W) against every strip of activation rows. */
 static void outer_rows(const void *p, int lo, int hi) {
@@ -435,7 +457,7 @@ static void outer_rows(const void *p, int lo, int hi) {
         for (; j->MP - m0 >= 16; m0 += 16) outer_strip_16(j, w, n0, nw, m0);
         if (m0 == j->MP) continue;
 #ifdef OUTER_PAIR_8
-        if (m0 > 0 && j->w && nw == OUTER_W && n0 + 2 * OUTER_W <= hi) {   /* the next block too */
+        if (outer_pair_8 && m0 > 0 && j->w && nw == OUTER_W && n0 + 2 * OUTER_W <= hi) {   /* the next block too */
             const float *next = w + (int64_t)OUTER_W * j->K;
             for (int m1 = 0; m1 < m0; m1 += 16) outer_strip_16(j, next, n0 + OUTER_W, OUTER_W, m1);
             outer_strip_8_pair(j, w, n0, 2 * OUTER_W, m0);
@@ -523,29 +545,50 @@ int pd_outer_narrow_48(int narrow) {
     return outer_narrow_48;
 }
 
-/* Times 48-row products both ways on one thread (the caller's: the pool is not started; a shape
- * of the default model, weights larger than L2) and keeps the faster: the best of five alternating
- * runs each, about 12 ms in all. The sums are the same either way, so a close call costs speed,
- * never results. Returns the choice, or -1 if out of memory (the setting then stays as it was). */
-int pd_outer_choose(void) {
-#if OUTER_STRIP_MAX == 48
-    enum { M = 48, N = 1536, K = 576 };
+/* Set whether the 8 rows past strips of 16 take two weight blocks at once (1, 0; -1: leave it);
+ * returns the setting, or -1 where the build has no pairs. */
+int pd_outer_pair_8(int pair) {
+#ifdef OUTER_PAIR_8
+    if (pair >= 0) outer_pair_8 = pair;
+    return outer_pair_8;
+#else
+    (void)pair;
+    return -1;
+#endif
+}
+
+/* Times M-row products with *setting 0 and 1 on one thread (the caller's: the pool is not started;
+ * a shape of the default model, weights larger than L2) and keeps the faster: the best of five
+ * alternating runs each, about 12 ms in all. The sums are the same either way, so a close call
+ * costs speed, never results. Returns the choice, or -1 if out of memory (the setting then stays
+ * as it was). */
+static int faster_setting(int *setting, int M) {
+    enum { N = 1536, K = 576 };
     float *x = malloc(sizeof(float) * ((size_t)M * K + (size_t)N * K + (size_t)M * N));
     if (!x) return -1;
     float *w = x + (size_t)M * K, *y = w + (size_t)N * K;
     for (size_t i = 0; i < (size_t)M * K + (size_t)N * K; i++) x[i] = (float)(i % 7) * 0.25f - 0.75f;
     double best[2] = {1e30, 1e30};
-    int was = outer_narrow_48, failed = 0;
+    int was = *setting, failed = 0;
     for (int run = -2; run < 10; run++) {       /* (the first two fault the pages in) */
-        outer_narrow_48 = run & 1;
+        *setting = run & 1;
         double start = seconds_now();
         failed |= outer_product(x, w, NULL, NULL, NULL, NULL, y, M, N, K, 1);
         double took = seconds_now() - start;
         if (run >= 0 && took < best[run & 1]) best[run & 1] = took;
     }
     free(x);
-    outer_narrow_48 = failed ? was : best[1] < best[0];
-    return failed ? -1 : outer_narrow_48;
+    *setting = failed ? was : best[1] < best[0];
+    return failed ? -1 : *setting;
+}
+
+/* The build's choice that depends on the CPU, timed (faster_setting): how 48 rows go on AVX-512
+ * builds, whether 24 rows pair their last 8 on 256-bit x86 ones; 0 where there is none. */
+int pd_outer_choose(void) {
+#if OUTER_STRIP_MAX == 48
+    return faster_setting(&outer_narrow_48, 48);
+#elif defined(OUTER_PAIR_8)
+    return faster_setting(&outer_pair_8, 24);
 #else
     return 0;
 #endif
@@ -1875,39 +1918,40 @@ static int tiles_of(int queries, int group) { return (queries * group + TILE_ROW
  * multiply-add per dimension and vector with the key's element broadcast: the scores stay in
  * registers, the online softmax runs on vectors of rows, and the weighted values are added into
  * ot[d][row] the same way. Lanes past the tile's rows carry zeros and are never written out. */
-/* Keys whose scores a full tile sums at once: 8 vectors of sums, so that they, the query's vectors
- * and a broadcast key element fit 16 registers (AVX2's ymm; 16 keys' sums spilled there). */
-#define SCORED_KEYS (8 / TILE_VECS)
+/* A tile of V vectors (TILE_VECS, or 1 for a pass's last rows where they fit one vector: below)
+ * scores this many keys at once: 8 vectors of sums, so that they, the query's vectors and a
+ * broadcast key element fit 16 registers (AVX2's ymm; 16 keys' sums spilled there). */
+#define SCORED_KEYS(V) (8 / (V))
 /* Dimensions whose value sums add_values carries at once (8 vectors): each sum is a chain of TK
  * dependent multiply-adds, and one chain at a time waited on their latency. With both, 30 layers'
  * attention of a 15-query slice over 1,500 keys took 14-16% less time (AVX-512 build) and 23% less
  * (-march=haswell build, tiles of 8 rows then) with one layer's caches in cache, 9% and 15% from
  * memory; 32 queries over 1,000 keys from memory 9% and 20% (2-core AMD EPYC, 2026-11-27,
  * alternating runs; the same bits). */
-#define VALUE_DIMS (8 / TILE_VECS)
+#define VALUE_DIMS(V) (8 / (V))
 
-/* Scores of a tile's nk keys (rows `row` floats apart) for all its rows: acc[j] = K[j] . qt. */
-static inline void score_keys(const float *kr, size_t row, int nk, int D, lanes (*qt)[TILE_VECS],
-                              lanes acc[TK][TILE_VECS]) {
+/* Scores of a tile's nk keys (rows `row` floats apart) for its V vectors of rows: acc[j] = K[j] . qt. */
+INLINE void score_keys(const float *kr, size_t row, int nk, int D, lanes (*qt)[TILE_VECS],
+                       lanes acc[TK][TILE_VECS], const int V) {
     for (int j = 0; j < TK; j++)
-        for (int v = 0; v < TILE_VECS; v++) acc[j][v] = (lanes){0};
+        for (int v = 0; v < V; v++) acc[j][v] = (lanes){0};
     if (nk == TK) {     /* (the usual full tile: constant bounds keep the scores in registers) */
-        for (int j0 = 0; j0 < TK; j0 += SCORED_KEYS)
+        for (int j0 = 0; j0 < TK; j0 += SCORED_KEYS(V))
             for (int d = 0; d < D; d++) {
                 lanes q[TILE_VECS];
-                memcpy(q, qt[d], sizeof q);
-                for (int v = 0; v < TILE_VECS; v++) IN_REGISTER(q[v]);
+                memcpy(q, qt[d], sizeof(lanes) * V);
+                for (int v = 0; v < V; v++) IN_REGISTER(q[v]);
 #pragma GCC unroll 16
-                for (int j = j0; j < j0 + SCORED_KEYS; j++) {
+                for (int j = j0; j < j0 + SCORED_KEYS(V); j++) {
                     float k = kr[j * row + d];
 #pragma GCC unroll 2
-                    for (int v = 0; v < TILE_VECS; v++) acc[j][v] += k * q[v];
+                    for (int v = 0; v < V; v++) acc[j][v] += k * q[v];
                 }
             }
     } else {
         for (int d = 0; d < D; d++)
             for (int j = 0; j < nk; j++)
-                for (int v = 0; v < TILE_VECS; v++) acc[j][v] += kr[j * row + d] * qt[d][v];
+                for (int v = 0; v < V; v++) acc[j][v] += kr[j * row + d] * qt[d][v];
     }
 }
 
@@ -1915,17 +1959,17 @@ static inline void score_keys(const float *kr, size_t row, int nk, int D, lanes 
  * where `masked`; sc becomes the weights, m and l the running max and sum, alpha what the sums so
  * far scale by. (Inlined with `masked` a constant: each caller gets a loop without the test.) */
 INLINE void softmax_pass(float sc[TK][TILE_ROWS], int nk, int j0, const float *lim, float *m, float *l,
-                         float *alpha, const int masked) {
+                         float *alpha, const int masked, const int rows) {
     float mt[TILE_ROWS];
 #pragma omp simd
-    for (int r = 0; r < TILE_ROWS; r++) mt[r] = m[r];
+    for (int r = 0; r < rows; r++) mt[r] = m[r];
     for (int j = 0; j < nk; j++) {
         float kp = (float)(j0 + j);
 #pragma omp simd
-        for (int r = 0; r < TILE_ROWS; r++) mt[r] = !masked || kp <= lim[r] ? max_f(mt[r], sc[j][r]) : mt[r];
+        for (int r = 0; r < rows; r++) mt[r] = !masked || kp <= lim[r] ? max_f(mt[r], sc[j][r]) : mt[r];
     }
 #pragma omp simd
-    for (int r = 0; r < TILE_ROWS; r++) {
+    for (int r = 0; r < rows; r++) {
         alpha[r] = mt[r] == -INFINITY ? 1.f : exp_fast(m[r] - mt[r]);
         l[r] *= alpha[r];
         m[r] = mt[r];
@@ -1933,7 +1977,7 @@ INLINE void softmax_pass(float sc[TK][TILE_ROWS], int nk, int j0, const float *l
     for (int j = 0; j < nk; j++) {
         float kp = (float)(j0 + j);
 #pragma omp simd
-        for (int r = 0; r < TILE_ROWS; r++) {
+        for (int r = 0; r < rows; r++) {
             sc[j][r] = !masked || kp <= lim[r] ? exp_fast(sc[j][r] - m[r]) : 0.f;
             l[r] += sc[j][r];
         }
@@ -1945,37 +1989,37 @@ INLINE void softmax_pass(float sc[TK][TILE_ROWS], int nk, int j0, const float *l
  * tile or two of keys, 2-8% off its attention (15 queries over 1,500 keys, 30 layers, 2-core AMD
  * EPYC, 2026-11-27: 5-8% with one layer's caches in cache, 2-7% read from memory, in alternating
  * runs; the same bits). */
-static inline void softmax_keys(float sc[TK][TILE_ROWS], int nk, int j0, const float *lim, float *m, float *l,
-                                float *alpha) {
-    if (j0 + nk - 1 <= lim[0]) softmax_pass(sc, nk, j0, lim, m, l, alpha, 0);
-    else softmax_pass(sc, nk, j0, lim, m, l, alpha, 1);
+INLINE void softmax_keys(float sc[TK][TILE_ROWS], int nk, int j0, const float *lim, float *m, float *l,
+                         float *alpha, const int rows) {
+    if (j0 + nk - 1 <= lim[0]) softmax_pass(sc, nk, j0, lim, m, l, alpha, 0, rows);
+    else softmax_pass(sc, nk, j0, lim, m, l, alpha, 1, rows);
 }
 
-/* ot[d] = ot[d] * scale + sum over the tile's keys of V[j][d] * p[j], for all rows at once (a row's
- * p, scale and ot in lane r % TR of vector r / TR). */
-static inline void add_values(const float *vr, size_t row, int nk, int D, lanes p[TK][TILE_VECS],
-                              const lanes *scale, lanes (*ot)[TILE_VECS]) {
-    if (nk == TK && D % VALUE_DIMS == 0) {
-        for (int d = 0; d < D; d += VALUE_DIMS) {
-            lanes o[VALUE_DIMS][TILE_VECS];
+/* ot[d] = ot[d] * scale + sum over the tile's keys of V[j][d] * p[j], for its V vectors of rows at
+ * once (a row's p, scale and ot in lane r % TR of vector r / TR). */
+INLINE void add_values(const float *vr, size_t row, int nk, int D, lanes p[TK][TILE_VECS],
+                       const lanes *scale, lanes (*ot)[TILE_VECS], const int V) {
+    if (nk == TK && D % VALUE_DIMS(V) == 0) {
+        for (int d = 0; d < D; d += VALUE_DIMS(V)) {
+            lanes o[VALUE_DIMS(V)][TILE_VECS];
 #pragma GCC unroll 8
-            for (int i = 0; i < VALUE_DIMS; i++)
-                for (int v = 0; v < TILE_VECS; v++) o[i][v] = ot[d + i][v] * scale[v];
+            for (int i = 0; i < VALUE_DIMS(V); i++)
+                for (int v = 0; v < V; v++) o[i][v] = ot[d + i][v] * scale[v];
 #pragma GCC unroll 16
             for (int j = 0; j < TK; j++)
 #pragma GCC unroll 8
-                for (int i = 0; i < VALUE_DIMS; i++) {
+                for (int i = 0; i < VALUE_DIMS(V); i++) {
                     float x = vr[j * row + d + i];
 #pragma GCC unroll 2
-                    for (int v = 0; v < TILE_VECS; v++) o[i][v] += x * p[j][v];
+                    for (int v = 0; v < V; v++) o[i][v] += x * p[j][v];
                 }
 #pragma GCC unroll 8
-            for (int i = 0; i < VALUE_DIMS; i++)
-                for (int v = 0; v < TILE_VECS; v++) ot[d + i][v] = o[i][v];
+            for (int i = 0; i < VALUE_DIMS(V); i++)
+                for (int v = 0; v < V; v++) ot[d + i][v] = o[i][v];
         }
     } else {
         for (int d = 0; d < D; d++)
-            for (int v = 0; v < TILE_VECS; v++) {
+            for (int v = 0; v < V; v++) {
                 lanes o = ot[d][v] * scale[v];
                 for (int j = 0; j < nk; j++) o += vr[j * row + d] * p[j][v];
                 ot[d][v] = o;
@@ -2019,17 +2063,27 @@ static void start_tile(const struct attention_job *job, const float *const *qrow
     }
 }
 
-/* A tile's rows against nk keys from j0 (their rows from `first` on in each cache). */
-INLINE void tile_keys(const struct attention_job *job, struct tile_state *t, size_t first, int j0, int nk) {
+/* A tile's first V vectors of rows against nk keys from j0 (their rows from `first` on in each cache). */
+INLINE void tile_keys_of(const struct attention_job *job, struct tile_state *t, size_t first, int j0, int nk,
+                         const int V) {
     size_t row = (size_t)job->KVH * job->D;
     lanes acc[TK][TILE_VECS], scale[TILE_VECS];
     float sc[TK][TILE_ROWS], alpha[TILE_ROWS];
-    score_keys(job->k_cache + first, row, nk, job->D, t->qt, acc);
+    score_keys(job->k_cache + first, row, nk, job->D, t->qt, acc, V);
     memcpy(sc, acc, sizeof sc);
-    softmax_keys(sc, nk, j0, t->lim, t->m, t->l, alpha);
+    softmax_keys(sc, nk, j0, t->lim, t->m, t->l, alpha, V * TR);
     memcpy(acc, sc, sizeof acc);
     memcpy(scale, alpha, sizeof scale);
-    add_values(job->v_cache + first, row, nk, job->D, acc, scale, t->ot);
+    add_values(job->v_cache + first, row, nk, job->D, acc, scale, t->ot, V);
+}
+
+/* A tile of `rows` rows against nk keys: where they fit one vector of a two-vector tile (a pass's
+ * last rows: 21 of a 7-token slice's, GQA of 3, are 16 + 5), one vector's work. Each row's sums
+ * are its own whatever the tile's width, so the results are the same. */
+static inline void tile_keys(const struct attention_job *job, struct tile_state *t, int rows, size_t first,
+                             int j0, int nk) {
+    if (TILE_VECS > 1 && rows <= TR) tile_keys_of(job, t, first, j0, nk, 1);
+    else tile_keys_of(job, t, first, j0, nk, TILE_VECS);
 }
 
 /* One pass: R rows of one KV head (up to TILES_PER_PASS tiles, rows in position order) against
@@ -2053,7 +2107,7 @@ static void attend_pass(const struct attention_job *job, const float *const *qro
         int next = j0 + nk, ahead = next + TK <= last + 1 ? next + TK : last + 1;   /* fetched meanwhile */
         prefetch_rows(job, job->k_cache, table, head, next, ahead);
         for (int i = 0; i < tiles; i++) {
-            tile_keys(job, &tile[i], first, j0, nk);
+            tile_keys(job, &tile[i], R - i * TILE_ROWS, first, j0, nk);
             if (i == 0) prefetch_rows(job, job->v_cache, table, head, next, ahead);
         }
         j0 += nk;

@@ -101,6 +101,28 @@ def test_48_rows_give_the_same_sums_in_one_strip_or_three(ops, rows):
         lib.pd_outer_narrow_48(chosen)
 
 
+@pytest.mark.parametrize("rows", [24, 40])
+def test_the_last_8_rows_give_the_same_sums_with_one_weight_block_or_two(ops, rows):
+    """pd_outer_choose picks by time whether a 256-bit x86 build's 8 rows past its strips of 16 go
+    against two weight blocks at once; either way each sum adds its k in order."""
+    lib = ops.lib
+    x, w = rand(rows, 192), rand(81, 192, seed=1)      # 81: pairs of 6-row blocks and a lone last one
+    chosen = lib.pd_outer_pair_8(-1)
+    try:
+        got = []
+        for pair in (0, 1):
+            lib.pd_outer_pair_8(pair)
+            got.append(ops.linear(x, w))
+        flags = cpu.cpu_flags()
+        x86_256 = platform.machine().lower() in ("x86_64", "amd64") and "avx" in flags and "avx512f" not in flags
+        assert lib.pd_outer_pair_8(-1) == (1 if x86_256 else -1)     # (only those builds have the pairs)
+        assert torch.equal(got[0], got[1])
+        torch.testing.assert_close(got[0], reference.linear(x, w), **TOL)
+        assert lib.pd_outer_choose() in ((0, 1) if x86_256 else (0,))
+    finally:
+        lib.pd_outer_pair_8(chosen)
+
+
 def test_a_row_gets_the_same_sums_whatever_strips_its_product_takes(ops):
     """From a few rows (OUTER_MIN_ROWS in cpu_kernels.c, 5 at most) the product goes by strips of
     8, 16, 24, 32 or 48 rows as the row count makes them; each sum adds its k in order in any strip,
@@ -499,6 +521,26 @@ def test_a_slice_split_by_keys_over_two_threads_matches_reference(ops, qlens, cl
     torch.testing.assert_close(out, batch.expected(scale), **TOL)
 
 
+def test_a_rows_attention_is_the_same_whatever_tile_it_falls_in(ops):
+    # The default model's heads (GQA of 3): a 7-token slice's 21 rows are a tile of 16 and 5 rows
+    # (one vector's work where tiles have two), while the same queries as the last 7 of an
+    # 11-token slice fall at rows 12-32 (tiles of 16, 16 and 1). Each row's sums are its own, so on
+    # one thread (no keys split between threads) the results are the same bits.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        batch = Batch([11], [300], 3, 3, 64, block_size=16, dtype=torch.float32, seed=9)
+        q, k_cache, v_cache, tables, starts, lens = batch.args("cpu")
+        whole = ops.paged_attention(q, k_cache, v_cache, tables, starts, lens, 0.125,
+                                    query_lens_host=[11], context_lens_host=[300])
+        last = ops.paged_attention(q[4:], k_cache, v_cache, tables, torch.tensor([0, 7], dtype=torch.int32), lens,
+                                   0.125, query_lens_host=[7], context_lens_host=[300])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(last, whole[4:])
+    torch.testing.assert_close(whole, batch.expected(0.125), **TOL)
+
+
 def test_long_query_runs_go_to_flash_sdpa(ops):
     qlens = [ops.fast_rows.limit + 16]
     assert not ops.attention_in_c(qlens[0])
@@ -691,6 +733,43 @@ def test_the_attention_tiles_fetch_their_next_keys_in_the_built_code(tmp_path, m
     asm = subprocess.run(["objdump", "-d", str(out)], capture_output=True, text=True).stdout
     assert fetches_in(asm, "attend_pass", "attention_tiles") > 0
     assert fetches_in(asm, "attend_heads", "attention_groups") > 0      # the decodes' (always there)
+
+
+def multiply_adds_in(asm: str, function: str) -> list[str]:
+    """The fused multiply-add instructions in the disassembled body of `function` (and its clones)."""
+    found, inside = [], False
+    for line in asm.splitlines():
+        header = re.match(r"^[0-9a-f]+ <_?([^>]+)>:$", line)
+        if header:
+            inside = header.group(1).split(".")[0] == function
+        elif inside and re.search(r"\svfmadd\w+\s", line):
+            found.append(line)
+    return found
+
+
+@pytest.mark.parametrize("march,strips,width", [("znver1", ["outer_strip_16", "outer_strip_8_pair"], "ymm"),
+                                                ("skylake-avx512", ["outer_strip_16", "outer_strip_48"], "zmm")])
+def test_the_products_strips_keep_their_sums_in_full_width_registers(tmp_path, march, strips, width):
+    """GCC's tuning for a Zen 1 prefers 128-bit vectors and for a Skylake-X 256-bit ones; a strip
+    whose sums fill the registers only at the build's full width then spilled them, and its
+    multiply-adds read the stack (16-row products 1.4x slower on a Zen 1). Built for those CPUs
+    and disassembled, not run."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("x86 targets: this is not an x86-64 machine")
+    if not shutil.which("objdump"):
+        pytest.skip("no objdump to read the built code")
+    out = tmp_path / f"{march}.so"
+    done = compile_kernels(out, f"-march={march}")
+    if done.returncode != 0 and ("bad value" in done.stderr or "unknown target CPU" in done.stderr):
+        pytest.skip(f"{done.args[0]} does not know -march={march}")
+    assert done.returncode == 0, done.stderr[-1500:]
+    if "clang" in subprocess.run([done.args[0], "--version"], capture_output=True, text=True).stdout.lower():
+        pytest.skip("clang: the width is GCC's target attribute (cpu_kernels.c, FULL_WIDTH)")
+    asm = subprocess.run(["objdump", "-d", str(out)], capture_output=True, text=True).stdout
+    for strip in strips:
+        fmas = multiply_adds_in(asm, strip)
+        assert fmas and all(f"%{width}" in line for line in fmas), strip
+        assert not [line for line in fmas if "(%rsp)" in line], strip     # no sum read back from the stack
 
 
 X86_TARGETS = {"avx2": ["-mavx2", "-mfma"], "avx-vnni": ["-mavx2", "-mfma", "-mavxvnni"],
