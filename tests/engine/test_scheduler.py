@@ -578,10 +578,10 @@ def test_a_slice_is_predicted_as_a_slice_beside_its_decodes():
 
 
 @pytest.mark.parametrize("granule, planned_rows, want", [
-    (16, 1, 15),          # one decode: the slice ends the first vector
+    (8, 1, 7),            # one decode: the slice ends the first vector
     (16, 15, 1),          # fifteen decodes: one token ends theirs
-    (16, 16, 16),         # the decodes fill a vector: the next one whole
-    (32, 32, 16),         # no vector ends within MIN_SLICE: MIN_SLICE itself
+    (8, 8, 8),            # the decodes fill a vector: the next one whole
+    (32, 32, MIN_SLICE),  # no vector ends within MIN_SLICE: MIN_SLICE itself
 ])
 def test_the_minimum_slice_ends_a_vector_where_one_ends_within_it(granule, planned_rows, want):
     from pdchat.engine.scheduler import _PlanBuilder

@@ -24,7 +24,7 @@ def rand(*shape: int, seed: int = 0) -> torch.Tensor:
 
 
 # 48 and 144: the fast rows of AVX-512 and of 256-bit x86 builds (pd_fast_rows); past them BLAS
-@pytest.mark.parametrize("rows", [1, 3, 6, 8, 9, 24, 40, 48, 64, 144, 145])
+@pytest.mark.parametrize("rows", [1, 3, 4, 6, 8, 9, 12, 24, 40, 48, 64, 144, 145])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("width", [192, 197])     # 197: the transposition's k past its blocks of 8
 def test_linear_matches_reference(ops, rows, bias, width):
