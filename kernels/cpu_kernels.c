@@ -1955,32 +1955,68 @@ INLINE void score_keys(const float *kr, size_t row, int nk, int D, lanes (*qt)[T
     }
 }
 
-/* Online softmax over one tile, per row: keys past a row's position (lim) count for nothing
- * where `masked`; sc becomes the weights, m and l the running max and sum, alpha what the sums so
- * far scale by. (Inlined with `masked` a constant: each caller gets a loop without the test.) */
-INLINE void softmax_pass(float sc[TK][TILE_ROWS], int nk, int j0, const float *lim, float *m, float *l,
-                         float *alpha, const int masked, const int rows) {
-    float mt[TILE_ROWS];
-#pragma omp simd
-    for (int r = 0; r < rows; r++) mt[r] = m[r];
-    for (int j = 0; j < nk; j++) {
-        float kp = (float)(j0 + j);
-#pragma omp simd
-        for (int r = 0; r < rows; r++) mt[r] = !masked || kp <= lim[r] ? max_f(mt[r], sc[j][r]) : mt[r];
-    }
-#pragma omp simd
-    for (int r = 0; r < rows; r++) {
-        alpha[r] = mt[r] == -INFINITY ? 1.f : exp_fast(m[r] - mt[r]);
-        l[r] *= alpha[r];
-        m[r] = mt[r];
-    }
-    for (int j = 0; j < nk; j++) {
-        float kp = (float)(j0 + j);
-#pragma omp simd
-        for (int r = 0; r < rows; r++) {
-            sc[j][r] = !masked || kp <= lim[r] ? exp_fast(sc[j][r] - m[r]) : 0.f;
-            l[r] += sc[j][r];
+typedef int32_t ilanes __attribute__((vector_size(TR * sizeof(int32_t))));   /* a comparison's lanes */
+
+static inline lanes splat(float c) { return (lanes){0} + c; }
+
+/* Lane by lane: `yes` where the mask's lane is set (all ones), else `no`. */
+static inline lanes pick(ilanes mask, lanes yes, lanes no) {
+    ilanes a, b;
+    memcpy(&a, &yes, sizeof a);
+    memcpy(&b, &no, sizeof b);
+    a = (a & mask) | (b & ~mask);
+    lanes r;
+    memcpy(&r, &a, sizeof r);
+    return r;
+}
+
+/* exp_fast on a whole vector, step for step (the clamp, 2^n e^r with r in two parts, the series to
+ * r^6); n by adding and taking away 1.5 * 2^23, which rounds to the nearest even integer as rintf
+ * does for every |x / ln 2| below 2^22. */
+static inline lanes exp_lanes(lanes x) {
+    x = pick(x < -87.f, splat(-87.f), pick(x > 88.f, splat(88.f), x));
+    lanes n = (x * 1.44269504f + 12582912.f) - 12582912.f;
+    lanes r = n * -0.693145751953125f + x;
+    r = n * -1.428606765330187e-06f + r;
+    lanes p = splat(1.f / 720.f);
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    ilanes e = (__builtin_convertvector(n, ilanes) + 127) << 23;      /* 2^n */
+    lanes scale;
+    memcpy(&scale, &e, sizeof scale);
+    return p * scale;
+}
+
+/* Online softmax over one tile, per row (a lane of one of its V vectors): keys past a row's
+ * position (lim) count for nothing where `masked`; the scores s become the weights, m and l the
+ * running max and sum, alpha what the sums so far scale by. On whole vectors where the scores are:
+ * as loops over floats (omp simd) it needed the scores copied out and back, and GCC's tuning for a
+ * Zen 1 ran those loops 128 bits at a time. (Inlined with `masked` and V constants.) */
+INLINE void softmax_pass(lanes s[TK][TILE_VECS], int nk, int j0, const float *lim_f, float *m_f, float *l_f,
+                         lanes *alpha, const int masked, const int V) {
+    for (int v = 0; v < V; v++) {
+        lanes lim, m, l;
+        memcpy(&lim, lim_f + v * TR, sizeof lim);
+        memcpy(&m, m_f + v * TR, sizeof m);
+        memcpy(&l, l_f + v * TR, sizeof l);
+        lanes mt = m;
+        for (int j = 0; j < nk; j++) {
+            lanes most = pick(mt > s[j][v], mt, s[j][v]);           /* max_f(mt, s): its NaN too */
+            mt = masked ? pick(splat((float)(j0 + j)) <= lim, most, mt) : most;
         }
+        alpha[v] = pick(mt == -INFINITY, splat(1.f), exp_lanes(m - mt));
+        l *= alpha[v];
+        for (int j = 0; j < nk; j++) {
+            lanes w = exp_lanes(s[j][v] - mt);
+            s[j][v] = masked ? pick(splat((float)(j0 + j)) <= lim, w, splat(0.f)) : w;
+            l += s[j][v];
+        }
+        memcpy(m_f + v * TR, &mt, sizeof mt);
+        memcpy(l_f + v * TR, &l, sizeof l);
     }
 }
 
@@ -1989,10 +2025,10 @@ INLINE void softmax_pass(float sc[TK][TILE_ROWS], int nk, int j0, const float *l
  * tile or two of keys, 2-8% off its attention (15 queries over 1,500 keys, 30 layers, 2-core AMD
  * EPYC, 2026-11-27: 5-8% with one layer's caches in cache, 2-7% read from memory, in alternating
  * runs; the same bits). */
-INLINE void softmax_keys(float sc[TK][TILE_ROWS], int nk, int j0, const float *lim, float *m, float *l,
-                         float *alpha, const int rows) {
-    if (j0 + nk - 1 <= lim[0]) softmax_pass(sc, nk, j0, lim, m, l, alpha, 0, rows);
-    else softmax_pass(sc, nk, j0, lim, m, l, alpha, 1, rows);
+INLINE void softmax_keys(lanes s[TK][TILE_VECS], int nk, int j0, const float *lim, float *m, float *l,
+                         lanes *alpha, const int V) {
+    if (j0 + nk - 1 <= lim[0]) softmax_pass(s, nk, j0, lim, m, l, alpha, 0, V);
+    else softmax_pass(s, nk, j0, lim, m, l, alpha, 1, V);
 }
 
 /* ot[d] = ot[d] * scale + sum over the tile's keys of V[j][d] * p[j], for its V vectors of rows at
@@ -2068,12 +2104,8 @@ INLINE void tile_keys_of(const struct attention_job *job, struct tile_state *t, 
                          const int V) {
     size_t row = (size_t)job->KVH * job->D;
     lanes acc[TK][TILE_VECS], scale[TILE_VECS];
-    float sc[TK][TILE_ROWS], alpha[TILE_ROWS];
     score_keys(job->k_cache + first, row, nk, job->D, t->qt, acc, V);
-    memcpy(sc, acc, sizeof sc);
-    softmax_keys(sc, nk, j0, t->lim, t->m, t->l, alpha, V * TR);
-    memcpy(acc, sc, sizeof acc);
-    memcpy(scale, alpha, sizeof scale);
+    softmax_keys(acc, nk, j0, t->lim, t->m, t->l, scale, V);
     add_values(job->v_cache + first, row, nk, job->D, acc, scale, t->ot, V);
 }
 
