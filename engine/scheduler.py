@@ -27,13 +27,10 @@ from .block_manager import BlockManager
 from .sequence import Sequence, Status
 from .step_cost import StepCost, attention_pairs
 
-# A prompt slice is never smaller than this while any budget is left: below it a step runs far
-# below the prefill's efficiency (a CPU re-reads every weight for a handful of rows). 8: one vector
-# of a CPU's rows beside a decode (7 tokens), so that where a slice of two vectors does not fit
-# the budget the step still keeps to it. At 16, late slices of a 1,728-token newcomer on a 2-core
-# AMD EPYC Zen 1 (the products paced by arithmetic, 15 queries' attention over 1,600 keys ~45 ms)
-# took 110-140 ms beside a 26 ms decode: worst gaps 4.4-6.3x the stream's TPOT whatever the budget.
-MIN_SLICE = 8
+# Where rows go by any count (a GPU), a prompt slice is never smaller than this while any budget is
+# left: below it a step runs far below the prefill's efficiency. Where they go by vectors (a CPU)
+# the floor is the slice that ends the vector the step's decodes began (_PlanBuilder._min_slice).
+MIN_SLICE = 16
 # Before a decode step was measured, a time budget cannot be sized: a fixed slice stands in.
 FIRST_SLICE = 32
 
@@ -240,7 +237,7 @@ class _PlanBuilder:
 
     def take(self, seq: Sequence) -> int:
         """How many of seq's uncomputed tokens go in: all, or what the budget leaves (at least
-        one; a prompt slice about MIN_SLICE or more)."""
+        one; a prompt slice at least the smallest, _min_slice)."""
         n = seq.num_uncomputed
         if self.seconds is not None:
             if n == 1:
@@ -254,11 +251,16 @@ class _PlanBuilder:
         return n if self.tokens is None else min(n, max(self.tokens, 1))
 
     def _min_slice(self, planned: int) -> int:
-        """MIN_SLICE, or where rows go by vectors the slice up to it that ends a vector (7 beside
-        one decode: 8 rows; with vectors of 8, 9 would cost what 15 do)."""
+        """The smallest slice beside `planned` rows: where rows go by vectors, the one that ends the
+        vector the decodes began, or fills the next one where they ended theirs (7 tokens beside
+        one decode with vectors of 8: fewer pay the weights' trip for almost nothing, more pay a
+        vector they do not fill); else MIN_SLICE. One vector rather than two, so that a step keeps
+        to the budget where two do not fit it: until 2026-12-01 the floor was 16 tokens, and late
+        slices of a 1,728-token newcomer on a Zen 1 (its products paced by arithmetic, 15 queries'
+        attention over 1,600 keys ~45 ms) took 110-140 ms beside a 26 ms decode, worst gaps
+        4.7-5.8x the stream's TPOT at budget 3 (3.5-4.0x with one vector)."""
         g = self.cost.granule
-        ends = (planned + MIN_SLICE) // g * g - planned
-        return ends if ends > 0 else MIN_SLICE
+        return (planned + g) // g * g - planned if g > 1 else MIN_SLICE
 
     def add(self, seq: Sequence, n: int) -> None:
         item = ScheduledSeq(seq, n, seq.num_computed_tokens)

@@ -346,6 +346,21 @@ def test_a_slice_is_never_below_the_minimum_even_when_the_budget_is_tight():
     assert next(i.num_tokens for i in sched.schedule().items if i.seq.request_id == "new") == MIN_SLICE
 
 
+def test_on_vector_kernels_a_tight_budget_takes_the_slice_that_ends_the_decodes_vector():
+    # Rows by 8, a decode step worth 5 tokens, budget 3: the prefill's share fits one vector beside
+    # the decode (7 tokens, 7 ms) and not two (15 tokens, 15 ms). The step keeps to the budget; a
+    # floor of 16 tokens had planned 15 of them, a step of 4 decode steps.
+    per_token, decode = 1e-3, 0.005
+    cost = _learned(per_token, 0.0, decode, FastRows(48, 8))
+    sched = make_scheduler(BlockManager(512, 16, prefix_cache=False), cost, step_budget=3.0, max_num_seqs=8,
+                           chunk_size="auto")
+    _decoding(sched)
+    sched.add(seq("new", 500, start=100))
+    plan = sched.schedule()
+    assert next(i.num_tokens for i in plan.items if i.seq.request_id == "new") == 7
+    assert plan.planned_s <= 3.0 * decode * 1.02
+
+
 def test_before_a_decode_step_is_measured_a_fixed_first_slice_stands_in():
     sched = make_scheduler(BlockManager(512, 16, prefix_cache=False), StepCost(1e-3), max_num_seqs=8,
                            chunk_size="auto")
@@ -386,7 +401,7 @@ def test_a_time_budgeted_slice_stays_within_the_kernels_fast_rows():
     (1, 40, 31),
     (1, 47, 47),      # 48 rows: the fast path's limit, three whole vectors
     (1, 90, 47),
-    (3, 16, 13),      # MIN_SLICE's 16 tokens + 3 decodes = 19 rows: down to 16
+    (3, 16, 13),      # 16 tokens + 3 decodes = 19 rows: down to 16
     (10, 16, 6),      # the decodes began a vector: the slice fills it
     (16, 20, 16),
 ])
@@ -581,11 +596,13 @@ def test_a_slice_is_predicted_as_a_slice_beside_its_decodes():
     (8, 1, 7),            # one decode: the slice ends the first vector
     (16, 15, 1),          # fifteen decodes: one token ends theirs
     (8, 8, 8),            # the decodes fill a vector: the next one whole
-    (32, 32, MIN_SLICE),  # no vector ends within MIN_SLICE: MIN_SLICE itself
+    (8, 10, 6),
+    (32, 32, 32),
+    (1, 3, MIN_SLICE),    # rows by any count: MIN_SLICE tokens
 ])
-def test_the_minimum_slice_ends_a_vector_where_one_ends_within_it(granule, planned_rows, want):
+def test_the_minimum_slice_ends_the_vector_the_decodes_began(granule, planned_rows, want):
     from pdchat.engine.scheduler import _PlanBuilder
-    cost = StepCost(pair_ratio=1e-3, fast_rows=FastRows(96, granule))
+    cost = StepCost(pair_ratio=1e-3, fast_rows=FastRows(96, granule) if granule > 1 else None)
     assert _PlanBuilder(None, 1.0, cost)._min_slice(planned_rows) == want
 
 
