@@ -381,8 +381,8 @@ static const float *weight_block(const struct outer_job *j, int n0, int nw, floa
  * 2026-12-01) the default model's 30 layers of 16-row products took 80 ms that way, 58 at full
  * width. A strip of 8 fits either way, so it keeps the tuning's choice: there 12 sums of 128 bits
  * beat 6 of 256 (32 ms against 43 at 8 rows), since a 256-bit broadcast costs that CPU a vector
- * operation beside each multiply-add. (Clang has no such attribute; its tuning was not seen to
- * narrow vectors.) */
+ * operation beside each multiply-add. (Clang takes no such attribute: there the tuning's width
+ * stands, not measured.) */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__AVX512F__)
 #define FULL_WIDTH __attribute__((target("prefer-vector-width=512")))
 #elif defined(__GNUC__) && !defined(__clang__) && defined(__AVX__)
