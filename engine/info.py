@@ -24,9 +24,10 @@ def _cpu_kernels() -> str:
         lib = cpu.library(paths.cache_dir())
     except cpu.KernelsUnavailable as e:
         return f"unavailable ({e}); PyTorch ops are used"
-    narrow = "; 48 rows as three strips of 16 (timed faster here)" if lib.pd_outer_narrow_48(-1) else ""
+    # (each setting -1 on a build without that choice)
+    narrow = "; 48 rows as three strips of 16 (timed faster here)" if lib.pd_outer_narrow_48(-1) == 1 else ""
     single = "; the 8 rows past strips of 16 against one weight block at a time (timed faster here)" \
-        if lib.pd_outer_pair_8(-1) == 0 else ""          # (-1: a build without the pairs)
+        if lib.pd_outer_pair_8(-1) == 0 else ""
     return f"C, int8 and int4 products on {cpu.int8_path(lib).title}{narrow}{single}"
 
 

@@ -418,9 +418,8 @@ static int outer_pair_8 = 1;
  * order, at a cost that depends on the CPU. On a 2-core AMD EPYC (Zen 4) three strips took the
  * default model's 48-row products in 62-63 ms where one took 70-71 (2026-11-27), where the
  * 48-row strip had been chosen on an Intel VM; so each machine times both. */
+#if OUTER_STRIP_MAX == 48
 static int outer_narrow_48;
-#ifndef OUTER_PAIR_8
-static int outer_pair_8;       /* (a build without the pairs: never set) */
 #endif
 
 /* Weight rows [lo, hi) (lo a multiple of OUTER_W) against every strip of activation rows. */
@@ -537,12 +536,16 @@ static double seconds_now(void) {
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
-/* Set how 48 rows go (1: three strips of 16, 0: one of 48; -1: leave it); returns the setting. */
+/* Set how 48 rows go (1: three strips of 16, 0: one of 48; -1: leave it); returns the setting, or
+ * -1 where the build has no 48-row strip. */
 int pd_outer_narrow_48(int narrow) {
 #if OUTER_STRIP_MAX == 48
     if (narrow >= 0) outer_narrow_48 = narrow;
-#endif
     return outer_narrow_48;
+#else
+    (void)narrow;
+    return -1;
+#endif
 }
 
 /* Set whether the 8 rows past strips of 16 take two weight blocks at once (1, 0; -1: leave it);
@@ -562,6 +565,7 @@ int pd_outer_pair_8(int pair) {
  * alternating runs each, about 12 ms in all. The sums are the same either way, so a close call
  * costs speed, never results. Returns the choice, or -1 if out of memory (the setting then stays
  * as it was). */
+#if OUTER_STRIP_MAX == 48 || defined(OUTER_PAIR_8)
 static int faster_setting(int *setting, int M) {
     enum { N = 1536, K = 576 };
     float *x = malloc(sizeof(float) * ((size_t)M * K + (size_t)N * K + (size_t)M * N));
@@ -581,6 +585,7 @@ static int faster_setting(int *setting, int M) {
     *setting = failed ? was : best[1] < best[0];
     return failed ? -1 : *setting;
 }
+#endif
 
 /* The build's choice that depends on the CPU, timed (faster_setting): how 48 rows go on AVX-512
  * builds, whether 24 rows pair their last 8 on 256-bit x86 ones; 0 where there is none. */

@@ -80,47 +80,36 @@ def test_only_matrices_of_exact_blocks_are_held_as_them(ops):
         ops.linear_exact_int8(rand(1, 48), torch.zeros(8, 48, dtype=torch.int8), torch.ones(8, 1))
 
 
-@pytest.mark.parametrize("rows", [41, 48])
-def test_48_rows_give_the_same_sums_in_one_strip_or_three(ops, rows):
-    """pd_outer_choose picks by time how 48 rows go; either way each sum adds its k in order, so
-    the choice changes the speed and never a bit of the result."""
-    lib = ops.lib
-    x, w = rand(rows, 192), rand(81, 192, seed=1)
-    chosen = lib.pd_outer_narrow_48(-1)
-    try:
-        got = []
-        for narrow in (0, 1):
-            lib.pd_outer_narrow_48(narrow)
-            got.append(ops.linear(x, w))
-        wide = platform.machine().lower() in ("x86_64", "amd64") and "avx512f" in cpu.cpu_flags()
-        assert lib.pd_outer_narrow_48(-1) == int(wide)      # (only AVX-512 builds have a 48-row strip)
-        assert torch.equal(got[0], got[1])
-        torch.testing.assert_close(got[0], reference.linear(x, w), **TOL)
-        assert lib.pd_outer_choose() in (0, int(wide))
-    finally:
-        lib.pd_outer_narrow_48(chosen)
+def builds_the_choice(choice: str) -> bool:
+    """Whether this CPU's build has the choice pd_outer_choose times: how 48 rows go (AVX-512
+    builds), or whether the 8 rows past the strips of 16 pair their weight blocks (256-bit x86)."""
+    flags = cpu.cpu_flags()
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    return "avx512f" in flags if choice == "narrow_48" else "avx" in flags and "avx512f" not in flags
 
 
-@pytest.mark.parametrize("rows", [24, 40])
-def test_the_last_8_rows_give_the_same_sums_with_one_weight_block_or_two(ops, rows):
-    """pd_outer_choose picks by time whether a 256-bit x86 build's 8 rows past its strips of 16 go
-    against two weight blocks at once; either way each sum adds its k in order."""
+@pytest.mark.parametrize("choice,rows", [("narrow_48", 41), ("narrow_48", 48), ("pair_8", 24), ("pair_8", 40)])
+def test_the_choices_timed_at_load_give_the_same_sums_either_way(ops, choice, rows):
+    """pd_outer_choose picks by time how 48 rows go (one strip or three) and whether the last 8 rows
+    take two weight blocks at once; either way each sum adds its k in order, so a choice changes
+    the speed and never a bit of the result."""
     lib = ops.lib
+    setting = getattr(lib, f"pd_outer_{choice}")
     x, w = rand(rows, 192), rand(81, 192, seed=1)      # 81: pairs of 6-row blocks and a lone last one
-    chosen = lib.pd_outer_pair_8(-1)
+    chosen = setting(-1)
+    built = builds_the_choice(choice)
     try:
         got = []
-        for pair in (0, 1):
-            lib.pd_outer_pair_8(pair)
+        for value in (0, 1):
+            setting(value)
             got.append(ops.linear(x, w))
-        flags = cpu.cpu_flags()
-        x86_256 = platform.machine().lower() in ("x86_64", "amd64") and "avx" in flags and "avx512f" not in flags
-        assert lib.pd_outer_pair_8(-1) == (1 if x86_256 else -1)     # (only those builds have the pairs)
+        assert setting(-1) == (1 if built else -1)           # (-1: a build without that choice)
         assert torch.equal(got[0], got[1])
         torch.testing.assert_close(got[0], reference.linear(x, w), **TOL)
-        assert lib.pd_outer_choose() in ((0, 1) if x86_256 else (0,))
+        assert lib.pd_outer_choose() in ((0, 1) if built else (0,))
     finally:
-        lib.pd_outer_pair_8(chosen)
+        setting(chosen)
 
 
 def test_a_row_gets_the_same_sums_whatever_strips_its_product_takes(ops):
