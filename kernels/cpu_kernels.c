@@ -102,18 +102,18 @@ int pd_int8_path(void) {
  * with n = round(x / ln 2) and r = x - n ln 2 (in two parts, so r stays exact), e^r by its Taylor
  * series to r^6 (|r| <= 0.35: relative error ~1e-7, like expf). Arguments are clamped to the float
  * range; below it the result is ~1e-38 instead of a denormal or 0, which no caller can tell apart. */
+#define EXP_LOG2E 1.44269504f
+#define EXP_LN2_HI 0.693145751953125f          /* ln 2 in two parts: n * EXP_LN2_HI is exact */
+#define EXP_LN2_LO 1.428606765330187e-06f
+/* e^r by its series to r^6 with FMA(a, b, c) = a * b + c: one definition for exp_fast and exp_lanes */
+#define EXP_SERIES(FMA, r) \
+    FMA(FMA(FMA(FMA(FMA(FMA(1.f / 720.f, r, 1.f / 120.f), r, 1.f / 24.f), r, 1.f / 6.f), r, 0.5f), r, 1.f), r, 1.f)
 static inline float exp_fast(float x) {
     x = x < -87.f ? -87.f : x > 88.f ? 88.f : x;   /* (fminf/fmaxf would block vectorizing) */
-    float n = rintf(x * 1.44269504f);
-    float r = fmaf(n, -0.693145751953125f, x);
-    r = fmaf(n, -1.428606765330187e-06f, r);
-    float p = 1.f / 720.f;
-    p = fmaf(p, r, 1.f / 120.f);
-    p = fmaf(p, r, 1.f / 24.f);
-    p = fmaf(p, r, 1.f / 6.f);
-    p = fmaf(p, r, 0.5f);
-    p = fmaf(p, r, 1.f);
-    p = fmaf(p, r, 1.f);
+    float n = rintf(x * EXP_LOG2E);
+    float r = fmaf(n, -EXP_LN2_HI, x);
+    r = fmaf(n, -EXP_LN2_LO, r);
+    float p = EXP_SERIES(fmaf, r);
     union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};   /* 2^n */
     return p * scale.f;
 }
@@ -1978,18 +1978,13 @@ static inline lanes pick(ilanes mask, lanes yes, lanes no) {
 /* exp_fast on a whole vector, step for step (the clamp, 2^n e^r with r in two parts, the series to
  * r^6); n by adding and taking away 1.5 * 2^23, which rounds to the nearest even integer as rintf
  * does for every |x / ln 2| below 2^22. */
+#define LANES_FMA(a, b, c) ((a) * (b) + (c))    /* (contracted to one multiply-add, as fmaf) */
 static inline lanes exp_lanes(lanes x) {
     x = pick(x < -87.f, splat(-87.f), pick(x > 88.f, splat(88.f), x));
-    lanes n = (x * 1.44269504f + 12582912.f) - 12582912.f;
-    lanes r = n * -0.693145751953125f + x;
-    r = n * -1.428606765330187e-06f + r;
-    lanes p = splat(1.f / 720.f);
-    p = p * r + 1.f / 120.f;
-    p = p * r + 1.f / 24.f;
-    p = p * r + 1.f / 6.f;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
+    lanes n = (x * EXP_LOG2E + 12582912.f) - 12582912.f;
+    lanes r = n * -EXP_LN2_HI + x;
+    r = n * -EXP_LN2_LO + r;
+    lanes p = EXP_SERIES(LANES_FMA, r);
     ilanes e = (__builtin_convertvector(n, ilanes) + 127) << 23;      /* 2^n */
     lanes scale;
     memcpy(&scale, &e, sizeof scale);
