@@ -107,7 +107,8 @@ def test_the_choices_timed_at_load_give_the_same_sums_either_way(ops, choice, ro
         assert setting(-1) == (1 if built else -1)           # (-1: a build without that choice)
         assert torch.equal(got[0], got[1])
         torch.testing.assert_close(got[0], reference.linear(x, w), **TOL)
-        assert lib.pd_outer_choose() in ((0, 1) if built else (0,))
+        timed = builds_the_choice("narrow_48") or builds_the_choice("pair_8")    # (a build has at most one)
+        assert lib.pd_outer_choose() in ((0, 1) if timed else (0,))
     finally:
         setting(chosen)
 
