@@ -332,7 +332,9 @@ static const float *weight_block(const struct outer_job *j, int n0, int nw, floa
 }
 
 /* A block of nw weight rows (OUTER_W but at a matrix's end) against the strip of SW activation rows
- * from m0. Every sum adds its k in order with a fused multiply-add whatever the strip, so a row's
+ * from m0, its sums into `part` (weight row r's at part + r * MP, as span_store takes them). Not
+ * inlined: inlined into the loop over blocks (-march=haswell), its 12 sums spilled to the stack
+ * there, and 32-144 rows took 7-27% longer. Every sum adds its k in order with a fused multiply-add whatever the strip, so a row's
  * result does not depend on the strip it is in (GCC, left to contract `acc += w * x` itself, left
  * the partial block's sums unfused in 8-row strips). The next block is fetched into L2, not L1:
  * there it pushed out the block and the strip in use, and the default model's 30 layers of
@@ -340,7 +342,8 @@ static const float *weight_block(const struct outer_job *j, int n0, int nw, floa
  * runs; 24-48 rows within the noise, -5% to +1.5%; an -march=haswell build here, 6-row blocks,
  * 4-12% longer at 4-32 rows). */
 #define OUTER_STRIP_OF(NAME, W, SW, WIDTH)                                                       \
-    WIDTH static void NAME(const struct outer_job *j, const float *w, int n0, int nw, int m0) {  \
+    WIDTH __attribute__((noinline)) static void NAME(const struct outer_job *j, const float *w, int n0, \
+                                                     int nw, int m0, float *part) {          \
         float acc[W][SW];                                                                        \
         for (int r = 0; r < W; r++)                                                              \
             for (int m = 0; m < SW; m++) acc[r][m] = 0.f;                                        \
@@ -368,11 +371,8 @@ static const float *weight_block(const struct outer_job *j, int n0, int nw, floa
                 }                                                                                \
             }                                                                                    \
         }                                                                                        \
-        int rows = j->M - m0 < SW ? j->M - m0 : SW;                                              \
-        for (int r = 0; r < nw; r++) {                                                           \
-            float b = j->bias ? j->bias[n0 + r] : 0.f;                                           \
-            for (int m = 0; m < rows; m++) j->y[(int64_t)(m0 + m) * j->N + n0 + r] = acc[r][m] + b; \
-        }                                                                                        \
+        for (int r = 0; r < nw; r++)                                                             \
+            for (int m = 0; m < SW; m++) part[(int64_t)r * MP + m0 + m] = acc[r][m];             \
     }
 /* A strip wider than 8 rows keeps its sums in registers only as vectors of the build's full width
  * (6 x 16 rows: 12 of 16 ymm registers; 8 x 48: 24 of 32 zmm), but GCC's tuning for some CPUs
@@ -422,49 +422,45 @@ static int outer_pair_8 = 1;
 static int outer_narrow_48;
 #endif
 
-/* Weight rows [lo, hi) (lo a multiple of OUTER_W) against every strip of activation rows. */
-static void outer_rows(const void *p, int lo, int hi) {
-    const struct outer_job *j = p;
-    float *unpacked = j->w ? NULL : thread_scratch(sizeof(float) * OUTER_W * (size_t)j->K);
-    if (!j->w && !unpacked) {
-        __atomic_store_n(j->failed, 1, __ATOMIC_RELAXED);
-        return;
-    }
-    for (int n0 = lo; n0 < hi; n0 += OUTER_W) {
-        int nw = hi - n0 < OUTER_W ? hi - n0 : OUTER_W;
+/* Weight rows [s0, s1) (s0 a multiple of OUTER_W) against every strip of activation rows, their
+ * sums into part (row s0's first). */
+static void outer_blocks(const struct outer_job *j, int s0, int s1, float *part, float *unpacked) {
+    int64_t MP = j->MP;
+    for (int n0 = s0; n0 < s1; n0 += OUTER_W) {
+        int nw = s1 - n0 < OUTER_W ? s1 - n0 : OUTER_W, m0 = 0;
         const float *w = weight_block(j, n0, nw, unpacked);
-        int m0 = 0;
+        float *sums = part + (n0 - s0) * MP;
 #if OUTER_STRIP_MAX == 48
-        for (; j->MP - m0 > 48; m0 += 32) outer_strip_32(j, w, n0, nw, m0);
+        for (; j->MP - m0 > 48; m0 += 32) outer_strip_32(j, w, n0, nw, m0, sums);
         int left = j->MP - m0;    /* 8 to 48 rows: the weight block read once for all */
         if (left == 48 && outer_narrow_48)
-            for (; m0 < j->MP; m0 += 16) outer_strip_16(j, w, n0, nw, m0);
-        else if (left == 48) outer_strip_48(j, w, n0, nw, m0);
-        else if (left == 24) outer_strip_24(j, w, n0, nw, m0);     /* one strip: see the note above */
+            for (; m0 < j->MP; m0 += 16) outer_strip_16(j, w, n0, nw, m0, sums);
+        else if (left == 48) outer_strip_48(j, w, n0, nw, m0, sums);
+        else if (left == 24) outer_strip_24(j, w, n0, nw, m0, sums);     /* one strip: see the note above */
         else {            /* 8 to 40 rows: strips of 32, 16 and 8 as they fit */
             if (left >= 32) {
-                outer_strip_32(j, w, n0, nw, m0);
+                outer_strip_32(j, w, n0, nw, m0, sums);
                 m0 += 32, left -= 32;
             }
             if (left >= 16) {
-                outer_strip_16(j, w, n0, nw, m0);
+                outer_strip_16(j, w, n0, nw, m0, sums);
                 m0 += 16, left -= 16;
             }
-            if (left > 0) outer_strip_8(j, w, n0, nw, m0);
+            if (left > 0) outer_strip_8(j, w, n0, nw, m0, sums);
         }
 #else
-        for (; j->MP - m0 >= 16; m0 += 16) outer_strip_16(j, w, n0, nw, m0);
+        for (; j->MP - m0 >= 16; m0 += 16) outer_strip_16(j, w, n0, nw, m0, sums);
         if (m0 == j->MP) continue;
 #ifdef OUTER_PAIR_8
-        if (outer_pair_8 && m0 > 0 && j->w && nw == OUTER_W && n0 + 2 * OUTER_W <= hi) {   /* the next block too */
+        if (outer_pair_8 && m0 > 0 && j->w && nw == OUTER_W && n0 + 2 * OUTER_W <= s1) {   /* the next block too */
             const float *next = w + (int64_t)OUTER_W * j->K;
-            for (int m1 = 0; m1 < m0; m1 += 16) outer_strip_16(j, next, n0 + OUTER_W, OUTER_W, m1);
-            outer_strip_8_pair(j, w, n0, 2 * OUTER_W, m0);
+            for (int m1 = 0; m1 < m0; m1 += 16) outer_strip_16(j, next, n0 + OUTER_W, OUTER_W, m1, sums + OUTER_W * MP);
+            outer_strip_8_pair(j, w, n0, 2 * OUTER_W, m0, sums);
             n0 += OUTER_W;
             continue;
         }
 #endif
-        outer_strip_8(j, w, n0, nw, m0);
+        outer_strip_8(j, w, n0, nw, m0, sums);
 #endif
     }
 }
@@ -512,6 +508,49 @@ static void transpose_rows(const float *x, float *xt, int M, int MP, int K) {
     for (int k = blocked; k < K; k++) {
         for (int m = 0; m < M; m++) xt[(int64_t)k * MP + m] = x[(int64_t)m * K + k];
         for (int m = M; m < MP; m++) xt[(int64_t)k * MP + m] = 0.f;
+    }
+}
+
+/* The sums of weight rows [s0, s1) (part: weight row-major, MP floats a row) plus bias into y, by activation rows: each row's
+ * stretch of the span at once, 8 x 8 at a time in registers where the build has 256-bit vectors.
+ * Stored from the strips, a block's sums went to rows N floats apart, 8 of a row at a time, and
+ * where N x 4 bytes is a multiple of 2 KB those rows share one or two sets of L1: on a 2-core
+ * Intel Xeon (AVX-512, 2026-12-01) 32 rows by 576 into 512 outputs ran at 99 GF/s on one thread,
+ * into 520 at 125. */
+static void span_store(const struct outer_job *j, int s0, int s1, const float *part) {
+    int MP = j->MP, n0 = s0;
+#ifdef __AVX__
+    for (int m0 = 0; m0 < j->M; m0 += 8)
+        for (int n = n0; n + 8 <= s1; n += 8) {
+            __m256 r[8], b = j->bias ? _mm256_loadu_ps(j->bias + n) : _mm256_setzero_ps();
+            for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(part + (int64_t)(n - n0 + i) * MP + m0);
+            transpose_8x8(r);
+            for (int i = 0; i < 8 && m0 + i < j->M; i++)
+                _mm256_storeu_ps(j->y + (int64_t)(m0 + i) * j->N + n, _mm256_add_ps(r[i], b));
+        }
+    n0 += (s1 - n0) & ~7;
+#endif
+    for (int m = 0; m < j->M; m++)
+        for (int n = n0; n < s1; n++)
+            j->y[(int64_t)m * j->N + n] = part[(int64_t)(n - s0) * MP + m] + (j->bias ? j->bias[n] : 0.f);
+}
+
+/* Weight rows of a span: their sums wait in the thread's part for span_store (16 KB at 32 rows). */
+#define OUTER_SPAN_ROWS (16 * OUTER_W)
+
+/* Weight rows [lo, hi) (lo a multiple of OUTER_W) by spans of OUTER_SPAN_ROWS. */
+static void outer_rows(const void *p, int lo, int hi) {
+    const struct outer_job *j = p;
+    size_t sums = (size_t)OUTER_SPAN_ROWS * j->MP;
+    float *part = thread_scratch(sizeof(float) * (sums + (j->w ? 0 : (size_t)OUTER_W * j->K)));
+    if (!part) {
+        __atomic_store_n(j->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    for (int s0 = lo; s0 < hi; s0 += OUTER_SPAN_ROWS) {
+        int s1 = s0 + OUTER_SPAN_ROWS < hi ? s0 + OUTER_SPAN_ROWS : hi;
+        outer_blocks(j, s0, s1, part, part + sums);
+        span_store(j, s0, s1, part);
     }
 }
 

@@ -33,6 +33,18 @@ def test_linear_matches_reference(ops, rows, bias, width):
     torch.testing.assert_close(ops.linear(x, w, b), reference.linear(x, w, b), **TOL)
 
 
+@pytest.mark.parametrize("rows", [5, 24, 40, 48])
+def test_wide_outputs_go_by_spans_with_the_same_sums(ops, rows):
+    """The strips' sums wait in a thread's buffer for a span of weight rows (OUTER_SPAN_ROWS) and
+    reach y row by row: 1,101 outputs make several spans per thread and a ragged last one (not a
+    whole block of 8), and each output still gets the sums it gets in a narrow product."""
+    x, w, b = rand(rows, 192), rand(1101, 192, seed=1), rand(1101, seed=2)
+    wide = ops.linear(x, w, b)
+    torch.testing.assert_close(wide, reference.linear(x, w, b), **TOL)
+    for lo, hi in ((0, 81), (1016, 1101)):
+        assert torch.equal(wide[:, lo:hi], ops.linear(x, w[lo:hi].contiguous(), b[lo:hi].contiguous()))
+
+
 def exact_blocks(N: int, K: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(w, q, scales): w in the form of a GGUF Q8_0 matrix read as fp32, every 32 weights of a row
     an fp16 scale times integers in -127..127, each block reaching 127 in magnitude (as quantizing
