@@ -346,13 +346,13 @@ static const float *weight_block(const struct outer_job *j, int n0, int nw, floa
 /* A block of nw weight rows (OUTER_W but at a matrix's end) against the strip of SW activation rows
  * from m0, its sums into `part` (weight row r's at part + r * MP, as span_store takes them). Not
  * inlined: inlined into the loop over blocks (-march=haswell), its 12 sums spilled to the stack
- * there, and 32-144 rows took 7-27% longer. Every sum adds its k in order with a fused multiply-add whatever the strip, so a row's
- * result does not depend on the strip it is in (GCC, left to contract `acc += w * x` itself, left
- * the partial block's sums unfused in 8-row strips). The next block is fetched into L2, not L1:
- * there it pushed out the block and the strip in use, and the default model's 30 layers of
- * products took 14-21% longer at 8 rows and 8-10% at 16 (2-core AMD EPYC, 2026-11-27, alternating
- * runs; 24-48 rows within the noise, -5% to +1.5%; an -march=haswell build here, 6-row blocks,
- * 4-12% longer at 4-32 rows). */
+ * there, and 32-144 rows took 7-27% longer. Every sum adds its k in order with a fused
+ * multiply-add whatever the strip, so a row's result does not depend on the strip it is in (GCC,
+ * left to contract `acc += w * x` itself, left the partial block's sums unfused in 8-row strips).
+ * The next block is fetched into L2, not L1: there it pushed out the block and the strip in use,
+ * and the default model's 30 layers of products took 14-21% longer at 8 rows and 8-10% at 16
+ * (2-core AMD EPYC, 2026-11-27, alternating runs; 24-48 rows within the noise, -5% to +1.5%; an
+ * -march=haswell build here, 6-row blocks, 4-12% longer at 4-32 rows). */
 #define OUTER_STRIP_OF(NAME, W, SW, WIDTH)                                                       \
     WIDTH __attribute__((noinline)) static void NAME(const struct outer_job *j, const float *w, int n0, \
                                                      int nw, int m0, float *part) {          \
@@ -523,8 +523,9 @@ static void transpose_rows(const float *x, float *xt, int M, int MP, int K) {
     }
 }
 
-/* The sums of weight rows [s0, s1) (part: weight row-major, MP floats a row) plus bias into y, by activation rows: each row's
- * stretch of the span at once, 8 x 8 at a time in registers where the build has 256-bit vectors.
+/* The sums of weight rows [s0, s1) (part: weight row-major, MP floats a row) plus bias into y by
+ * activation rows, each row's stretch of the span at once, 8 x 8 at a time in registers where the
+ * build has 256-bit vectors.
  * Stored from the strips, a block's sums went to rows N floats apart, 8 of a row at a time, and
  * where N x 4 bytes is a multiple of 2 KB those rows share one or two sets of L1: on a 2-core
  * Intel Xeon (AVX-512, 2026-12-01) 32 rows by 576 into 512 outputs ran at 99 GF/s on one thread,
@@ -547,7 +548,8 @@ static void span_store(const struct outer_job *j, int s0, int s1, const float *p
             j->y[(int64_t)m * j->N + n] = part[(int64_t)(n - s0) * MP + m] + (j->bias ? j->bias[n] : 0.f);
 }
 
-/* Weight rows of a span: their sums wait in the thread's part for span_store (16 KB at 32 rows). */
+/* Weight rows of a span: their sums wait in the thread's part for span_store (16 KB at 32 rows
+ * with AVX-512's blocks of 8, 12 KB with 6). */
 #define OUTER_SPAN_ROWS (16 * OUTER_W)
 
 /* Weight rows [lo, hi) (lo a multiple of OUTER_W) by spans of OUTER_SPAN_ROWS. */
