@@ -36,9 +36,10 @@ vector not measured yet is priced as the one before it, and none below the one b
 Two fits: prompt slices beside decoding streams (what the budget sizes), and prompts prefilled
 with no stream to protect (whole, and the prefill progress's estimate) or in steps past the
 kernels' fast path (a fixed chunk). They run on different paths at different efficiency (a CPU: a
-slice within the fast rows, 48 or 144, as one C call; a whole prompt on BLAS and flash attention,
-half the cost per token): one fit of both sized the first slices after a long lone prompt twice
-too large.
+slice within the fast rows, 48 or 144, as one C call; a whole prompt op by op, on BLAS and flash
+attention or the C kernels, whichever the machine runs faster: half a slice's cost per token where
+this was measured): one fit of both sized the first slices after a long lone prompt twice too
+large.
 
 One fixed cost is known rather than fitted: where decode steps replay a CUDA graph while steps
 with prompt tokens run op by op (a GPU), the latter pay the launches the graph saves, about ten
@@ -163,7 +164,7 @@ class StepCost:
     def charged(self, tokens: int, other_rows: int, decoded: bool = True) -> tuple[int, ...]:
         """The tokens a step's prompt work is charged for, by the vector they are in (vector_split):
         by whole vectors for slices beside decodes (the kernels' fast path), as they are elsewhere
-        (a whole prompt on BLAS, all counted as the first vector's)."""
+        (a whole prompt op by op, all counted as the first vector's)."""
         if decoded:
             return vector_split(tokens, other_rows, self.granule, self.vectors)
         return (tokens,) + (0,) * (self.vectors - 1)

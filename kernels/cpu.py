@@ -3,9 +3,11 @@
 Same functions and semantics as `reference` (tests compare them). Each falls back to its reference
 twin outside the cases the C code covers: fp32 only; matrix products for small row counts (decode
 batches, speculative verification: where BLAS streams weights slowly and per-op overhead
-dominates); attention for decodes, verifies and short contexts (the rest goes to PyTorch's
-flash SDPA). Where a batch stays inside all of these, `run_layers` runs every block of the
-forward in one call (pd_layers), so a decode step crosses from Python into C once.
+dominates); attention for decodes, verifies and prefill slices. Past the fast rows (a long
+prompt), products and attention go to C or to PyTorch (BLAS, flash SDPA), whichever this machine
+runs faster, timed once (cpu_products.chosen_once). Where a batch stays inside the fast rows,
+`run_layers` runs every block of the forward in one call (pd_layers), so a decode step crosses
+from Python into C once.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from . import reference
+from . import cpu_products, reference
 from .cpu_products import CpuProducts
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -144,6 +146,8 @@ _SIGNATURES = {
     "pd_outer_choose": ([], _I),
     "pd_outer_narrow_48": ([_I], _I),
     "pd_outer_pair_8": ([_I], _I),
+    "pd_outer_pad_16": ([_I], _I),
+    "pd_row_granule": ([], _I),
     "pd_linear_f32": ([_P, _P, _P, _P, _I, _I, _I, _I], _I),
     "pd_linear_u8": ([_P, _P, _P, _P, _P, _I, _I, _I, _I], _I),
     "pd_exact_int8_blocks": ([_P, _L, _I, _P, _P], _I),
@@ -187,7 +191,7 @@ def library(cache_dir: Path, int8: str | None = None) -> ctypes.CDLL:
         lib = bind(ctypes.CDLL(str(build(cache_dir, int8))))
     except OSError as e:
         raise KernelsUnavailable(f"loading the CPU kernels failed: {e}") from e
-    lib.pd_outer_choose()       # how this CPU takes 48 (AVX-512) or 24 rows (~12 ms; the same sums either way)
+    lib.pd_outer_choose()       # how this CPU takes 17-48 (AVX-512) or 24 rows (12-25 ms; the same sums either way)
     return lib
 
 
@@ -250,10 +254,30 @@ class CpuKernels(CpuProducts):
         up to the fast rows' queries, over any context, so a batch of that many rows (decodes, a
         verify, a prefill slice beside a stream) runs as one C call. Sequences of 4 or more
         queries go by tiles of 16 (query, head) rows vectorized across the rows: alone, slower
-        than flash SDPA from ~32 queries over 1K keys, but a step in one call beats the op-by-op
-        forward around SDPA (a 32-token slice over 1K cached tokens: 86-105 vs 115-167 ms; README,
-        2026-11-26)."""
-        return query_len <= self.fast_rows.limit
+        than flash SDPA from ~32 queries over 1K keys on some machines, but a step in one call
+        beats the op-by-op forward around SDPA (a 32-token slice over 1K cached tokens: 86-105 vs
+        115-167 ms; README, 2026-11-26). Past the fast rows, whichever this machine runs faster
+        (long_attention_in_c)."""
+        return query_len <= self.fast_rows.limit or self.long_attention_in_c()
+
+    def long_attention_in_c(self) -> bool:
+        """Whether this machine attends a long prompt faster by the C tiles than by flash SDPA
+        (whose products are BLAS's): timed at the first such attention, on a 512-token prompt with
+        a default model's heads (9 of 64 dims, 3 KV heads), about 20 ms. On a 2-core AMD EPYC (Zen
+        5, 2026-12-02), where MKL's products ran at half the C code's, the default model's 1,728-token
+        prompt took 1.8-2.1 s with the tiles, 2.2-2.5 with flash SDPA; on a 2-core Intel Xeon
+        (2026-12-01) flash SDPA took a whole prompt's attention in 0.63 s, the tiles 0.75 (README)."""
+        def make_runs() -> cpu_products.Runs:
+            T, H, KVH, D, bs = 512, 9, 3, 64, 16
+            g = torch.Generator().manual_seed(0)
+            q = torch.randn(T, H, D, generator=g)
+            k_cache, v_cache = (torch.randn(T // bs, bs, KVH, D, generator=g) for _ in range(2))
+            tables = torch.arange(T // bs, dtype=torch.int32)[None]
+            starts, lens = torch.tensor([0, T], dtype=torch.int32), torch.tensor([T], dtype=torch.int32)
+            args = (q, k_cache, v_cache, tables, starts, lens, D ** -0.5)
+            return (lambda: self._attention_c(*args),
+                    lambda: reference.paged_attention(*args, query_lens_host=[T], context_lens_host=[T]))
+        return cpu_products.chosen_once(self.lib, "attention", make_runs)
 
     @staticmethod
     def _rows(t: torch.Tensor) -> bool:

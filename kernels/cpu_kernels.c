@@ -291,6 +291,24 @@ static void few_rows(const void *p, int lo, int hi) {
 #endif
 _Static_assert(FEW_MAX_ROWS >= OUTER_MIN_ROWS - 1, "few_rows_of takes every count below the strips'");
 
+/* The most rows a forward runs as one pd_layers call (products and attention in C); past them it
+ * goes op by op, its products by chunks of these rows here or on BLAS, whichever this machine
+ * runs faster (timed once, cpu_products.py). AVX-512 builds: 48, three vectors of 16 rows
+ * (41-48 rows cost what 40 did; measured 2026-11-26). 256-bit x86 builds: 144, a 128-token chunk
+ * beside up to 16 streams. BLAS at a few dozen rows repacks each weight matrix per product, and op by op a
+ * 49-token prompt cost 1.7x a 48-token one. On a 2-core AMD EPYC (Zen 3, AVX2 only; the default
+ * model, 2026-11-28; one engine, the limit switched round by round, six rounds, medians) a lone
+ * prompt's first token in one call against op by op: fp32 157 vs 246 ms at 56 tokens, 174 vs 271
+ * at 64, 259 vs 345 at 96, 364 vs 456 at 128, 1.12-1.18x at 136-144 (the same path at 32, 48, 129
+ * and 160 tokens read 0.92-1.09x, the noise); int8 1.62-1.91x and int4 1.25-1.55x at 64-128
+ * tokens. Past ~150 tokens BLAS is as fast. Other targets (Arm, x86 without AVX2) keep 48: not
+ * measured. */
+#if defined(__x86_64__) && defined(__AVX2__) && !defined(__AVX512F__)
+#define FAST_ROWS 144
+#else
+#define FAST_ROWS 48
+#endif
+
 /* The weights of an outer job: fp32 rows (w), or rows that each block unpacks into a buffer of its
  * thread's first: int8 (u8: q + 128, one scale a row; AVX2's int8 prompt rows, below) or exact
  * blocks (q8, one scale per 32 weights). */
@@ -432,6 +450,15 @@ static int outer_pair_8 = 1;
  * 48-row strip had been chosen on an Intel VM; so each machine times both. */
 #if OUTER_STRIP_MAX == 48
 static int outer_narrow_48;
+/* Past 16 rows, whole strips of 16 (24 rows as a strip of 32, 40 as one of 48, the rows past M
+ * zero) rather than strips of 8 at the end (pd_outer_choose): the same sums, and on some CPUs less
+ * time. On a 2-core AMD EPYC (Zen 5, 2026-12-02) the default model's 30 layers of products took
+ * 22 ms at 24 rows and 18 at 32, 29 at 40 and 27 at 48. Where it is set the step cost model counts
+ * rows by 16 (pd_row_granule). */
+static int outer_pad_16;
+#define PADDED_ROWS(m) (outer_pad_16 && (m) > 16 ? ((m) + 15) & ~15 : ((m) + 7) & ~7)
+#else
+#define PADDED_ROWS(m) (((m) + 7) & ~7)
 #endif
 
 /* Weight rows [s0, s1) (s0 a multiple of OUTER_W) against every strip of activation rows, their
@@ -569,16 +596,23 @@ static void outer_rows(const void *p, int lo, int hi) {
 }
 
 /* y = x @ W^T + bias in outer-product form, W fp32 (w), int8 (u8 and its row scales) or exact blocks
- * (q8 and its block scales). Returns -1 if out of memory. */
+ * (q8 and its block scales), FAST_ROWS activation rows at a time: past them the transposed rows
+ * outgrow L2 and every weight block re-reads them from further out. On a 2-core AMD EPYC (Zen 5,
+ * AVX-512, 2026-12-02) the default model's products of 1,728 rows ran at 240-360 GF/s by 48 rows,
+ * 230-320 all at once; MKL there, 140-170. Each row's sums are the same whatever its chunk.
+ * Returns -1 if out of memory. */
 static int outer_product(const float *x, const float *w, const uint8_t *u8, const int8_t *q8, const float *scales,
                          const float *bias, float *y, int M, int N, int K, int threads) {
-    int MP = (M + 7) & ~7, failed = 0;
-    float *xt = malloc(sizeof(float) * (size_t)K * MP);
+    int rows = M < FAST_ROWS ? M : FAST_ROWS, failed = 0;
+    float *xt = malloc(sizeof(float) * (size_t)K * PADDED_ROWS(rows));
     if (!xt) return -1;
-    transpose_rows(x, xt, M, MP, K);
-    struct outer_job job = {xt, w, bias, u8, q8, scales, y, M, MP, N, K, &failed};
     int chunk = (N / (4 * threads) + OUTER_W - 1) / OUTER_W * OUTER_W;
-    parallel_rows(outer_rows, &job, N, chunk < OUTER_W ? OUTER_W : chunk, threads);
+    for (int m0 = 0; m0 < M && !failed; m0 += rows) {
+        int m = M - m0 < rows ? M - m0 : rows, MP = PADDED_ROWS(m);
+        transpose_rows(x + (int64_t)m0 * K, xt, m, MP, K);
+        struct outer_job job = {xt, w, bias, u8, q8, scales, y + (int64_t)m0 * N, m, MP, N, K, &failed};
+        parallel_rows(outer_rows, &job, N, chunk < OUTER_W ? OUTER_W : chunk, threads);
+    }
     free(xt);
     return failed ? -1 : 0;
 }
@@ -601,6 +635,21 @@ int pd_outer_narrow_48(int narrow) {
 #endif
 }
 
+/* Set whether past 16 rows the strips are whole strips of 16 (1, 0; -1: leave it); returns the
+ * setting, or -1 where the build has no such choice. */
+int pd_outer_pad_16(int pad) {
+#if OUTER_STRIP_MAX == 48
+    if (pad >= 0) outer_pad_16 = pad;
+    return outer_pad_16;
+#else
+    (void)pad;
+    return -1;
+#endif
+}
+
+/* Rows by which a product's cost rises: its strips' narrowest step. */
+int pd_row_granule(void) { return PADDED_ROWS(17) - 16; }
+
 /* Set whether the 8 rows past strips of 16 take two weight blocks at once (1, 0; -1: leave it);
  * returns the setting, or -1 where the build has no pairs. */
 int pd_outer_pair_8(int pair) {
@@ -613,24 +662,26 @@ int pd_outer_pair_8(int pair) {
 #endif
 }
 
-/* Times M-row products with *setting 0 and 1 on one thread (the caller's: the pool is not started;
- * a shape of the default model, weights larger than L2) and keeps the faster: the best of five
- * alternating runs each, about 12 ms in all. The sums are the same either way, so a close call
- * costs speed, never results. Returns the choice, or -1 if out of memory (the setting then stays
- * as it was). */
+/* Times products of M (and M2, if not 0) rows with *setting 0 and 1 on one thread (the caller's:
+ * the pool is not started; a shape of the default model, weights larger than L2) and keeps the
+ * faster: the best of five alternating runs each, about 12 ms a row count. The sums are the same
+ * either way, so a close call costs speed, never results. Returns the choice, or -1 if out of
+ * memory (the setting then stays as it was). */
 #if OUTER_STRIP_MAX == 48 || defined(OUTER_PAIR_8)
-static int faster_setting(int *setting, int M) {
+static int faster_setting(int *setting, int M, int M2) {
     enum { N = 1536, K = 576 };
-    float *x = malloc(sizeof(float) * ((size_t)M * K + (size_t)N * K + (size_t)M * N));
+    int most = M > M2 ? M : M2;
+    float *x = malloc(sizeof(float) * ((size_t)most * K + (size_t)N * K + (size_t)most * N));
     if (!x) return -1;
-    float *w = x + (size_t)M * K, *y = w + (size_t)N * K;
-    for (size_t i = 0; i < (size_t)M * K + (size_t)N * K; i++) x[i] = (float)(i % 7) * 0.25f - 0.75f;
+    float *w = x + (size_t)most * K, *y = w + (size_t)N * K;
+    for (size_t i = 0; i < (size_t)most * K + (size_t)N * K; i++) x[i] = (float)(i % 7) * 0.25f - 0.75f;
     double best[2] = {1e30, 1e30};
     int was = *setting, failed = 0;
     for (int run = -2; run < 10; run++) {       /* (the first two fault the pages in) */
         *setting = run & 1;
         double start = seconds_now();
         failed |= outer_product(x, w, NULL, NULL, NULL, NULL, y, M, N, K, 1);
+        if (M2) failed |= outer_product(x, w, NULL, NULL, NULL, NULL, y, M2, N, K, 1);
         double took = seconds_now() - start;
         if (run >= 0 && took < best[run & 1]) best[run & 1] = took;
     }
@@ -640,13 +691,16 @@ static int faster_setting(int *setting, int M) {
 }
 #endif
 
-/* The build's choice that depends on the CPU, timed (faster_setting): how 48 rows go on AVX-512
- * builds, whether 24 rows pair their last 8 on 256-bit x86 ones; 0 where there is none. */
+/* The build's choices that depend on the CPU, timed (faster_setting): on AVX-512 builds how 48
+ * rows go, then whether 24 and 40 rows go as whole strips of 16 (bit 0 and bit 1 of the result);
+ * on 256-bit x86 ones whether 24 rows pair their last 8; 0 where there is none, -1 if out of
+ * memory. */
 int pd_outer_choose(void) {
 #if OUTER_STRIP_MAX == 48
-    return faster_setting(&outer_narrow_48, 48);
+    int narrow = faster_setting(&outer_narrow_48, 48, 0), pad = faster_setting(&outer_pad_16, 24, 40);
+    return narrow < 0 || pad < 0 ? -1 : narrow | pad << 1;
 #elif defined(OUTER_PAIR_8)
-    return faster_setting(&outer_pair_8, 24);
+    return faster_setting(&outer_pair_8, 24, 0);
 #else
     return 0;
 #endif
@@ -2495,24 +2549,8 @@ void pd_paged_attention(const float *q, int64_t q_stride, const float *k_cache, 
 /* How pd_layers' quantized weights are stored (dims[6]); a NULL scales pointer means fp32. */
 enum { PD_WEIGHTS_INT8 = 1, PD_WEIGHTS_INT4 = 2 };
 
-/* The most rows a forward runs as one pd_layers call (products and attention in C); past them it
- * goes op by op, the products on BLAS. AVX-512 builds: 48, three vectors of 16 rows (41-48 rows
- * cost what 40 did; measured 2026-11-26). 256-bit x86 builds: 144, a 128-token chunk beside up
- * to 16 streams. BLAS at a few dozen rows repacks each weight matrix per product, and op by op a
- * 49-token prompt cost 1.7x a 48-token one. On a 2-core AMD EPYC (Zen 3, AVX2 only; the default
- * model, 2026-11-28; one engine, the limit switched round by round, six rounds, medians) a lone
- * prompt's first token in one call against op by op: fp32 157 vs 246 ms at 56 tokens, 174 vs 271
- * at 64, 259 vs 345 at 96, 364 vs 456 at 128, 1.12-1.18x at 136-144 (the same path at 32, 48, 129
- * and 160 tokens read 0.92-1.09x, the noise); int8 1.62-1.91x and int4 1.25-1.55x at 64-128
- * tokens. Past ~150 tokens BLAS is as fast. Other targets (Arm, x86 without AVX2) keep 48: not
- * measured. */
-int pd_fast_rows(void) {
-#if defined(__x86_64__) && defined(__AVX2__) && !defined(__AVX512F__)
-    return 144;
-#else
-    return 48;
-#endif
-}
+/* FAST_ROWS (above), for the scheduler and the products past it. */
+int pd_fast_rows(void) { return FAST_ROWS; }
 
 /* The most activation rows for which pd_linear_u8 and pd_linear_q4 beat BLAS on
  * weights unpacked to fp32; 0: the caller's own limit. The outer-product kernels, by chunks of K

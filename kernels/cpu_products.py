@@ -1,9 +1,10 @@
 """The CPU backend's matrix products (cpu_kernels.c through ctypes; cpu.py builds and binds the
-library): fp32, exact int8 blocks, int8 and int4 weights, each for small row counts in C and by
-BLAS past them, with the reference's twin wherever the C code does not cover the tensors."""
+library): fp32, exact int8 blocks, int8 and int4 weights, each for small row counts in C and past
+them in C or by BLAS, with the reference's twin wherever the C code does not cover the tensors."""
 from __future__ import annotations
 
 import ctypes
+import time
 from typing import Callable
 
 import torch
@@ -11,15 +12,16 @@ import torch
 from . import FastRows, reference
 
 # Up to a build's fast rows (pd_fast_rows: 48 with AVX-512, 144 on other x86 builds with AVX2) a
-# forward runs in one C call; above them op by op, where BLAS's matrix-matrix products win
-# (measured, README), for fp32 and, on weights unpacked slice by slice, for int8 and int4 too (on
-# AVX-512, int4's integer kernel up to 96 rows made prompts of 48-96 tokens 0.64-0.87x as fast as
-# fp32 on the default model, 2026-11-26), except where the build's integer kernels say they go
-# further (pd_quant_max_rows: the VNNI builds', all the way).
-# Rows by which the fp32 products' cost rises (outer-product strips of 8, cpu_kernels.c): 41 rows
-# cost what 48 do, 17 what 24 do. The AVX-512 VNNI integer kernels take rows 16 at a time, so there
-# every other step of 8 costs nothing, which the step cost model's price per vector learns.
-ROW_GRANULE = 8
+# forward runs in one C call; above them op by op, its fp32 products in C or on BLAS, whichever
+# the machine runs faster (many_rows_in_c), and int8 and int4 on weights unpacked slice by slice
+# for BLAS, where BLAS's matrix-matrix products win (measured, README; on AVX-512, int4's integer
+# kernel up to 96 rows made prompts of 48-96 tokens 0.64-0.87x as fast as fp32 on the default
+# model, 2026-11-26), except where the build's integer kernels say they go further
+# (pd_quant_max_rows: the VNNI builds', all the way).
+# Rows by which the fp32 products' cost rises (pd_row_granule: outer-product strips of 8, or of 16
+# past 16 rows where the CPU runs those faster, cpu_kernels.c): with 8, 41 rows cost what 48 do, 17
+# what 24 do. The AVX-512 VNNI integer kernels take rows 16 at a time, so with 8 every other step
+# costs nothing there, which the step cost model's price per vector learns.
 UNPACK_FLOATS = 1 << 22    # quantized weights unpacked for BLAS this many at a time (16 MB, one buffer)
 QBLOCK = 64                # activation quantization block of the int8 product (cpu_kernels.c)
 
@@ -48,16 +50,73 @@ class SlicedBlas:
         return y.add_(bias) if bias is not None else y
 
 
+def faster_in_c(run_c: Callable[[], None], run_blas: Callable[[], None], rounds: int = 4,
+                clock: Callable[[], float] = time.perf_counter) -> bool:
+    """Whether run_c beats run_blas: the best of `rounds` alternating runs each, the first round
+    left out (it faults pages in and warms the caches)."""
+    best = {run_c: float("inf"), run_blas: float("inf")}
+    for i in range(rounds):
+        for run in (run_c, run_blas):
+            start = clock()
+            run()
+            took = clock() - start
+            if i > 0:
+                best[run] = min(best[run], took)
+    return best[run_c] < best[run_blas]
+
+
+Runs = tuple[Callable[[], None], Callable[[], None]]
+_IN_C: dict[tuple[str, str], bool] = {}     # (a build's path, what): timed once a process
+
+
+def chosen_once(lib: ctypes.CDLL, what: str, make_runs: Callable[[], Runs]) -> bool:
+    """Whether `what` runs faster in this build's C code than in PyTorch on this machine:
+    faster_in_c on the (C, PyTorch) pair make_runs gives, once per build and process."""
+    key = (lib._name, what)
+    if key not in _IN_C:
+        _IN_C[key] = faster_in_c(*make_runs())
+    return _IN_C[key]
+
+
+def many_rows_in_c(lib: ctypes.CDLL) -> bool:
+    """Whether this machine runs fp32 products past the fast rows faster in C (by chunks of them)
+    than on BLAS: timed at the first such product, on 288 rows x 576 by 1,536 (a default model's
+    shape; two matrices, so the weights come from L3 as in a forward), 30-60 ms. It differs by
+    machine: on a 2-core AMD EPYC (Zen 5, 2026-12-02) the C strips ran 1,728 rows at 240-360 GF/s
+    and MKL at 140-170, where on a Zen 3 BLAS was as fast past ~150 rows (cpu_kernels.c,
+    FAST_ROWS). The sums differ between the two, never by more than fp32 rounding."""
+    def make_runs() -> Runs:
+        M, N, K, threads = 288, 1536, 576, torch.get_num_threads()
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(M, K, generator=generator)
+        weights = [torch.randn(N, K, generator=generator) for _ in range(2)]
+        y = torch.empty(M, N)
+
+        def run_c() -> None:
+            for w in weights:
+                lib.pd_linear_f32(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), M, N, K, threads)
+
+        def run_blas() -> None:
+            for w in weights:
+                torch.mm(x, w.t(), out=y)
+        return run_c, run_blas
+    return chosen_once(lib, "products", make_runs)
+
+
 class CpuProducts:
     """The matrix products of one build of the library (CpuKernels adds the other ops)."""
 
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
         # a forward of up to this many rows can be one C call; its products beat BLAS up to them
-        self.fast_rows = FastRows(lib.pd_fast_rows(), ROW_GRANULE)
+        self.fast_rows = FastRows(lib.pd_fast_rows(), lib.pd_row_granule())
         self.sliced = SlicedBlas()                  # quantized products of long prefills
         # rows up to which the C int8 and int4 products beat BLAS on unpacked weights
         self.quant_max_rows = max(self.fast_rows.limit, lib.pd_quant_max_rows())
+
+    def _in_c(self, rows: int) -> bool:
+        """Whether a product of this many fp32 (or exact int8) rows runs in C."""
+        return rows <= self.fast_rows.limit or many_rows_in_c(self.lib)
 
     @staticmethod
     def _ok(*tensors: torch.Tensor | None) -> bool:
@@ -67,7 +126,7 @@ class CpuProducts:
         return True
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.shape[0] > self.fast_rows.limit or not self._ok(x, weight, bias) or not x.is_contiguous():
+        if not (self._ok(x, weight, bias) and x.is_contiguous() and self._in_c(x.shape[0])):
             return reference.linear(x, weight, bias)
         y = x.new_empty(x.shape[0], weight.shape[0])
         if self.lib.pd_linear_f32(x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
@@ -94,7 +153,7 @@ class CpuProducts:
         if not self._ok(x, scales, bias) or q.dtype != torch.int8 or not q.is_cpu \
                 or not (x.is_contiguous() and q.is_contiguous() and scales.is_contiguous()):
             return reference.linear_exact_int8(x, q, scales, bias)
-        if x.shape[0] > self.fast_rows.limit:      # many rows: BLAS on the weights rebuilt a slice at a time
+        if not self._in_c(x.shape[0]):      # many rows: BLAS on the weights rebuilt a slice at a time
             def unpack(n0: int, n1: int, out: torch.Tensor) -> None:
                 out.copy_(reference.dequantize_exact_int8(q[n0:n1], scales[n0:n1]))
             return self.sliced.matmul(x, q.shape[0], unpack, bias)

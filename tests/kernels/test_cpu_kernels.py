@@ -23,7 +23,14 @@ def rand(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-# 48 and 144: the fast rows of AVX-512 and of 256-bit x86 builds (pd_fast_rows); past them BLAS
+def chose(monkeypatch, ops, what: str, in_c: bool) -> None:
+    """Set this build's timed choice (cpu_products.chosen_once) of where `what` ("products",
+    "attention") past the fast rows runs, for one test."""
+    monkeypatch.setitem(cpu_products._IN_C, (ops.lib._name, what), in_c)
+
+
+# 48 and 144: the fast rows of AVX-512 and of 256-bit x86 builds (pd_fast_rows); past them C or
+# BLAS, as the machine's timing chose
 @pytest.mark.parametrize("rows", [1, 3, 4, 6, 8, 9, 12, 24, 40, 48, 64, 144, 145])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("width", [192, 197])     # 197: the transposition's k past its blocks of 8
@@ -58,17 +65,19 @@ def exact_blocks(N: int, K: int, seed: int = 0) -> tuple[torch.Tensor, torch.Ten
 
 
 # 0: a forward that samples no row (a prefill worker's); 1-3: a dot product a weight row at a time
-# (4 too on AVX-512); from there the strips; 145: past every build's fast rows (BLAS on weights
-# rebuilt a slice at a time).
+# (4 too on AVX-512); from there the strips; 145: past every build's fast rows (in C by chunks of
+# them, or BLAS on weights rebuilt a slice at a time).
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 8, 9, 24, 40, 48, 145])
 @pytest.mark.parametrize("bias", [False, True])
-def test_exact_int8_blocks_give_the_fp32_products_bit_for_bit(ops, rows, bias):
+@pytest.mark.parametrize("many_in_c", [True, False])
+def test_exact_int8_blocks_give_the_fp32_products_bit_for_bit(ops, rows, bias, many_in_c, monkeypatch):
+    chose(monkeypatch, ops, "products", many_in_c)
     w, q, scales = exact_blocks(83, 192, seed=rows)
     found = ops.exact_int8_blocks(w)
     assert found is not None and torch.equal(found[0], q) and torch.equal(found[1], scales)
     x, b = rand(rows, 192, seed=1), rand(83, seed=2) if bias else None
     got = ops.linear_exact_int8(x, *found, b)
-    if rows <= ops.fast_rows.limit:
+    if rows <= ops.fast_rows.limit or many_in_c:
         assert torch.equal(got, ops.linear(x, w, b))
     else:
         torch.testing.assert_close(got, reference.linear(x, w, b), **TOL)
@@ -93,19 +102,24 @@ def test_only_matrices_of_exact_blocks_are_held_as_them(ops):
 
 
 def builds_the_choice(choice: str) -> bool:
-    """Whether this CPU's build has the choice pd_outer_choose times: how 48 rows go (AVX-512
-    builds), or whether the 8 rows past the strips of 16 pair their weight blocks (256-bit x86)."""
+    """Whether this CPU's build has the choice pd_outer_choose times: how 48 rows go and whether
+    rows past 16 go by whole strips of 16 (AVX-512 builds), or whether the 8 rows past the strips
+    of 16 pair their weight blocks (256-bit x86)."""
     flags = cpu.cpu_flags()
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
-    return "avx512f" in flags if choice == "narrow_48" else "avx" in flags and "avx512f" not in flags
+    if choice in ("narrow_48", "pad_16"):
+        return "avx512f" in flags
+    return "avx" in flags and "avx512f" not in flags
 
 
-@pytest.mark.parametrize("choice,rows", [("narrow_48", 41), ("narrow_48", 48), ("pair_8", 24), ("pair_8", 40)])
+@pytest.mark.parametrize("choice,rows", [("narrow_48", 41), ("narrow_48", 48), ("pad_16", 17), ("pad_16", 24),
+                                         ("pad_16", 40), ("pair_8", 24), ("pair_8", 40)])
 def test_the_choices_timed_at_load_give_the_same_sums_either_way(ops, choice, rows):
-    """pd_outer_choose picks by time how 48 rows go (one strip or three) and whether the last 8 rows
-    take two weight blocks at once; either way each sum adds its k in order, so a choice changes
-    the speed and never a bit of the result."""
+    """pd_outer_choose picks by time how 48 rows go (one strip or three), whether 17-48 rows go by
+    whole strips of 16 (the rows past them zero) and whether the last 8 rows take two weight
+    blocks at once; either way each sum adds its k in order, so a choice changes the speed and
+    never a bit of the result."""
     lib = ops.lib
     setting = getattr(lib, f"pd_outer_{choice}")
     x, w = rand(rows, 192), rand(81, 192, seed=1)      # 81: pairs of 6-row blocks and a lone last one
@@ -119,8 +133,9 @@ def test_the_choices_timed_at_load_give_the_same_sums_either_way(ops, choice, ro
         assert setting(-1) == (1 if built else -1)           # (-1: a build without that choice)
         assert torch.equal(got[0], got[1])
         torch.testing.assert_close(got[0], reference.linear(x, w), **TOL)
-        timed = builds_the_choice("narrow_48") or builds_the_choice("pair_8")    # (a build has at most one)
-        assert lib.pd_outer_choose() in ((0, 1) if timed else (0,))
+        # (bits: how 48 rows go and the strips of 16 on AVX-512 builds, the pairs on 256-bit ones)
+        timed = (0, 1, 2, 3) if builds_the_choice("pad_16") else (0, 1) if builds_the_choice("pair_8") else (0,)
+        assert lib.pd_outer_choose() in timed
     finally:
         setting(chosen)
 
@@ -139,17 +154,54 @@ def test_a_row_gets_the_same_sums_whatever_strips_its_product_takes(ops):
 
 def test_the_fast_rows_follow_the_build(ops):
     """One C call up to 48 rows with AVX-512 (three vectors of 16) and on targets not measured,
-    144 on x86 builds of 256-bit vectors, where BLAS at a few dozen rows was far slower (README)."""
+    144 on x86 builds of 256-bit vectors, where BLAS at a few dozen rows was far slower (README);
+    the products' cost rises by 8 rows, or by 16 where the rows past 16 go by strips of 16."""
     x86 = platform.machine().lower() in ("x86_64", "amd64")
     flags = cpu.cpu_flags()
     wide = x86 and "avx2" in flags and "avx512f" not in flags
-    assert ops.fast_rows == kernels.FastRows(144 if wide else 48, cpu_products.ROW_GRANULE)
+    granule = 16 if ops.lib.pd_outer_pad_16(-1) == 1 else 8
+    assert ops.fast_rows == kernels.FastRows(144 if wide else 48, granule)
+    assert ops.lib.pd_row_granule() == granule
     assert ops.quant_max_rows >= ops.fast_rows.limit
 
 
-def test_linear_beyond_the_fast_rows_is_blas(ops):
-    x, w = rand(ops.fast_rows.limit + 1, 64), rand(32, 64, seed=1)
-    assert torch.equal(ops.linear(x, w), reference.linear(x, w))
+def test_products_past_the_fast_rows_go_where_the_machine_chose(ops, monkeypatch):
+    """Past the fast rows a product is BLAS's, or the C code's by chunks of the fast rows, where
+    each row gets the sums it gets in a small product (the same bits whatever the prompt's length
+    or slicing)."""
+    limit = ops.fast_rows.limit
+    x, w, b = rand(2 * limit + 13, 64), rand(32, 64, seed=1), rand(32, seed=2)
+    chose(monkeypatch, ops, "products", False)
+    assert torch.equal(ops.linear(x, w, b), reference.linear(x, w, b))
+    chose(monkeypatch, ops, "products", True)
+    got = ops.linear(x, w, b)
+    torch.testing.assert_close(got, reference.linear(x, w, b), **TOL)
+    for lo, hi in ((0, 5), (limit - 3, limit + 9), (2 * limit, 2 * limit + 13)):
+        assert torch.equal(got[lo:hi], ops.linear(x[lo:hi], w, b)), (lo, hi)
+
+
+def test_a_choice_goes_to_the_faster_run_on_its_best_times():
+    now = [0.0]
+    costs = {"c": [9.0, 2.0, 2.5, 2.2], "blas": [1.0, 3.0, 2.1, 2.4]}   # the first round is left out
+
+    def run(name):
+        return lambda: now.__setitem__(0, now[0] + costs[name].pop(0))
+    assert cpu_products.faster_in_c(run("c"), run("blas"), clock=lambda: now[0])
+    costs = {"c": [1.0, 3.0, 2.2, 2.4], "blas": [9.0, 2.0, 2.5, 2.1]}
+    assert not cpu_products.faster_in_c(run("c"), run("blas"), clock=lambda: now[0])
+
+
+def test_a_choice_is_timed_once_per_build(ops, monkeypatch):
+    monkeypatch.setattr(cpu_products, "_IN_C", {})
+    made = []
+
+    def make_runs():
+        made.append(1)
+        return (lambda: None), (lambda: None)
+    first = cpu_products.chosen_once(ops.lib, "a test", make_runs)
+    assert cpu_products.chosen_once(ops.lib, "a test", make_runs) == first and len(made) == 1
+    assert ops.long_attention_in_c() in (True, False) and ops._in_c(10 ** 4) in (True, False)
+    assert set(cpu_products._IN_C) == {(ops.lib._name, w) for w in ("a test", "attention", "products")}
 
 
 # 1 and 5: dot-product kernels; 16 and 33: the outer-product one on AVX-512 VNNI and AVX-VNNI,
@@ -543,16 +595,23 @@ def test_a_rows_attention_is_the_same_whatever_tile_it_falls_in(ops):
     torch.testing.assert_close(whole, batch.expected(0.125), **TOL)
 
 
-def test_long_query_runs_go_to_flash_sdpa(ops):
+@pytest.mark.parametrize("long_in_c", [True, False])
+def test_long_query_runs_go_where_the_machine_chose(ops, long_in_c, monkeypatch):
+    chose(monkeypatch, ops, "attention", long_in_c)
     qlens = [ops.fast_rows.limit + 16]
-    assert not ops.attention_in_c(qlens[0])
+    assert ops.attention_in_c(qlens[0]) == long_in_c
     batch = Batch(qlens, qlens, 1, 2, 16, block_size=8, dtype=torch.float32)
     out = ops.paged_attention(*batch.args("cpu"), 0.25)
-    assert torch.equal(out, batch.expected(0.25))
+    if long_in_c:
+        torch.testing.assert_close(out, batch.expected(0.25), **TOL)
+    else:
+        assert torch.equal(out, batch.expected(0.25))           # flash SDPA's own result
 
 
-def test_mixed_step_sends_each_sequence_to_its_kernel(ops):
-    # decodes (C), a long chunk (SDPA), a verify (C), a verify over a long context (C, by tiles)
+def test_mixed_step_sends_each_sequence_to_its_kernel(ops, monkeypatch):
+    # decodes (C), a long chunk (SDPA, where the machine chose it), a verify (C), a verify over a
+    # long context (C, by tiles)
+    chose(monkeypatch, ops, "attention", False)
     qlens, clens = [1, ops.fast_rows.limit + 16, 4, 1, 9], [30, 300, 90, 7, 1900]
     assert list(map(ops.attention_in_c, qlens)) == [True, False, True, True, True]
     batch = Batch(qlens, clens, 2, 3, 32, block_size=8, dtype=torch.float32)
