@@ -191,7 +191,7 @@ def library(cache_dir: Path, int8: str | None = None) -> ctypes.CDLL:
         lib = bind(ctypes.CDLL(str(build(cache_dir, int8))))
     except OSError as e:
         raise KernelsUnavailable(f"loading the CPU kernels failed: {e}") from e
-    lib.pd_outer_choose()       # how this CPU takes 17-48 (AVX-512) or 24 rows (12-25 ms; the same sums either way)
+    lib.pd_outer_choose()       # how this CPU takes 17-48 (AVX-512) or 24 rows (12-25 ms; the same sums)
     return lib
 
 

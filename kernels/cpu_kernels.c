@@ -295,12 +295,12 @@ _Static_assert(FEW_MAX_ROWS >= OUTER_MIN_ROWS - 1, "few_rows_of takes every coun
  * goes op by op, its products by chunks of these rows here or on BLAS, whichever this machine
  * runs faster (timed once, cpu_products.py). AVX-512 builds: 48, three vectors of 16 rows
  * (41-48 rows cost what 40 did; measured 2026-11-26). 256-bit x86 builds: 144, a 128-token chunk
- * beside up to 16 streams. BLAS at a few dozen rows repacks each weight matrix per product, and op by op a
- * 49-token prompt cost 1.7x a 48-token one. On a 2-core AMD EPYC (Zen 3, AVX2 only; the default
- * model, 2026-11-28; one engine, the limit switched round by round, six rounds, medians) a lone
- * prompt's first token in one call against op by op: fp32 157 vs 246 ms at 56 tokens, 174 vs 271
- * at 64, 259 vs 345 at 96, 364 vs 456 at 128, 1.12-1.18x at 136-144 (the same path at 32, 48, 129
- * and 160 tokens read 0.92-1.09x, the noise); int8 1.62-1.91x and int4 1.25-1.55x at 64-128
+ * beside up to 16 streams. BLAS at a few dozen rows repacks each weight matrix per product, and op
+ * by op a 49-token prompt cost 1.7x a 48-token one. On a 2-core AMD EPYC (Zen 3, AVX2 only; the
+ * default model, 2026-11-28; one engine, the limit switched round by round, six rounds, medians) a
+ * lone prompt's first token in one call against op by op: fp32 157 vs 246 ms at 56 tokens, 174 vs
+ * 271 at 64, 259 vs 345 at 96, 364 vs 456 at 128, 1.12-1.18x at 136-144 (the same path at 32, 48,
+ * 129 and 160 tokens read 0.92-1.09x, the noise); int8 1.62-1.91x and int4 1.25-1.55x at 64-128
  * tokens. Past ~150 tokens BLAS is as fast. Other targets (Arm, x86 without AVX2) keep 48: not
  * measured. */
 #if defined(__x86_64__) && defined(__AVX2__) && !defined(__AVX512F__)
