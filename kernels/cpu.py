@@ -236,6 +236,24 @@ def _split_by_kernel(block_tables: torch.Tensor, context_lens: torch.Tensor, qle
     return shares
 
 
+def long_attention_runs(kernels: "CpuKernels") -> cpu_products.Runs:
+    """A long prompt's attention by the C tiles and by flash SDPA (whose products are BLAS's), for
+    CpuKernels.long_attention_in_c to time at the first such attention: a 512-token prompt with a
+    default model's heads (9 of 64 dims, 3 KV heads), about 20 ms both. On a 2-core AMD EPYC (Zen
+    5, 2026-12-02), where MKL's products ran at half the C code's, the default model's 1,728-token
+    prompt took 1.8-2.1 s with the tiles, 2.2-2.5 with flash SDPA; on a 2-core Intel Xeon
+    (2026-12-01) flash SDPA took a whole prompt's attention in 0.63 s, the tiles 0.75 (README)."""
+    T, H, KVH, D, bs = 512, 9, 3, 64, 16
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(T, H, D, generator=g)
+    k_cache, v_cache = (torch.randn(T // bs, bs, KVH, D, generator=g) for _ in range(2))
+    tables = torch.arange(T // bs, dtype=torch.int32)[None]
+    starts, lens = torch.tensor([0, T], dtype=torch.int32), torch.tensor([T], dtype=torch.int32)
+    args = (q, k_cache, v_cache, tables, starts, lens, D ** -0.5)
+    return (lambda: kernels._attention_c(*args),
+            lambda: reference.paged_attention(*args, query_lens_host=[T], context_lens_host=[T]))
+
+
 class CpuKernels(CpuProducts):
     """The backend's functions bound to one build of the library: its matrix products (CpuProducts),
     and the norms, RoPE, SiLU, attention and whole layers, one short method per op of the backend
@@ -262,22 +280,8 @@ class CpuKernels(CpuProducts):
 
     def long_attention_in_c(self) -> bool:
         """Whether this machine attends a long prompt faster by the C tiles than by flash SDPA
-        (whose products are BLAS's): timed at the first such attention, on a 512-token prompt with
-        a default model's heads (9 of 64 dims, 3 KV heads), about 20 ms. On a 2-core AMD EPYC (Zen
-        5, 2026-12-02), where MKL's products ran at half the C code's, the default model's 1,728-token
-        prompt took 1.8-2.1 s with the tiles, 2.2-2.5 with flash SDPA; on a 2-core Intel Xeon
-        (2026-12-01) flash SDPA took a whole prompt's attention in 0.63 s, the tiles 0.75 (README)."""
-        def make_runs() -> cpu_products.Runs:
-            T, H, KVH, D, bs = 512, 9, 3, 64, 16
-            g = torch.Generator().manual_seed(0)
-            q = torch.randn(T, H, D, generator=g)
-            k_cache, v_cache = (torch.randn(T // bs, bs, KVH, D, generator=g) for _ in range(2))
-            tables = torch.arange(T // bs, dtype=torch.int32)[None]
-            starts, lens = torch.tensor([0, T], dtype=torch.int32), torch.tensor([T], dtype=torch.int32)
-            args = (q, k_cache, v_cache, tables, starts, lens, D ** -0.5)
-            return (lambda: self._attention_c(*args),
-                    lambda: reference.paged_attention(*args, query_lens_host=[T], context_lens_host=[T]))
-        return cpu_products.chosen_once(self.lib, "attention", make_runs)
+        (timed once: long_attention_runs)."""
+        return cpu_products.chosen_once(self.lib, "attention", lambda: long_attention_runs(self))
 
     @staticmethod
     def _rows(t: torch.Tensor) -> bool:
