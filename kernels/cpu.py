@@ -239,7 +239,7 @@ def _split_by_kernel(block_tables: torch.Tensor, context_lens: torch.Tensor, qle
 def long_attention_runs(kernels: "CpuKernels") -> cpu_products.Runs:
     """A long prompt's attention by the C tiles and by flash SDPA (whose products are BLAS's), for
     CpuKernels.long_attention_in_c to time at the first such attention: a 512-token prompt with a
-    default model's heads (9 of 64 dims, 3 KV heads), about 20 ms both. On a 2-core AMD EPYC (Zen
+    default model's heads (9 of 64 dims, 3 KV heads), 26-36 ms in all on the Zen 5 below. On a 2-core AMD EPYC (Zen
     5, 2026-12-02), where MKL's products ran at half the C code's, the default model's 1,728-token
     prompt took 1.8-2.1 s with the tiles, 2.2-2.5 with flash SDPA; on a 2-core Intel Xeon
     (2026-12-01) flash SDPA took a whole prompt's attention in 0.63 s, the tiles 0.75 (README)."""

@@ -200,8 +200,11 @@ def test_a_choice_is_timed_once_per_build(ops, monkeypatch):
         return (lambda: None), (lambda: None)
     first = cpu_products.chosen_once(ops.lib, "a test", make_runs)
     assert cpu_products.chosen_once(ops.lib, "a test", make_runs) == first and len(made) == 1
-    assert ops.long_attention_in_c() in (True, False) and ops._in_c(10 ** 4) in (True, False)
+    assert ops._in_c(ops.fast_rows.limit) and not cpu_products._IN_C.get((ops.lib._name, "products"))
+    long_attention, long_products = ops.long_attention_in_c(), ops._in_c(10 ** 4)     # timed here, kept
     assert set(cpu_products._IN_C) == {(ops.lib._name, w) for w in ("a test", "attention", "products")}
+    assert (cpu_products._IN_C[(ops.lib._name, "attention")], cpu_products._IN_C[(ops.lib._name, "products")]) \
+        == (long_attention, long_products)
 
 
 # 1 and 5: dot-product kernels; 16 and 33: the outer-product one on AVX-512 VNNI and AVX-VNNI,
