@@ -38,6 +38,13 @@ HEADERS = (Path(__file__).with_name("cpu_pool.h"),)
 # build here ran SiLU 5x faster and a 15-token slice's attention over 1,500 keys 25% faster (README).
 CODE_FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math")
 FLAGS = (*CODE_FLAGS, "-march=native", "-shared", "-fPIC")      # the library for this machine
+# GCC's tunings for AMD's Zen cores leave a multiply-add unfused where it chains into a sum in a loop
+# ("avoid FMA chains"), and which ones depends on how a loop was unrolled: there the attention's
+# one- and two-vector tiles rounded the same row's sums differently (2-core AMD EPYC, Zen 3, GCC 12,
+# 2026-12-02: a test of a row's bits whatever its tile failed, in the portable and AVX2 builds).
+# Turned off, every product that feeds a sum is fused, as other CPUs' tunings do; 30 layers'
+# attention there took 0.97-1.03x the time (slices of 15-31 tokens, decodes; alternating runs).
+FMA_CHAIN_TUNINGS = ("avoid_fma_chains", "avoid_fma256_chains", "avoid_fma512_chains")
 
 
 
@@ -110,11 +117,29 @@ def _cpu_identity() -> str:
     return platform.machine() + platform.processor()
 
 
+@functools.cache
+def fused_sums(cc: str) -> tuple[str, ...]:
+    """The flag that turns GCC's FMA_CHAIN_TUNINGS off, naming those this compiler knows (each GCC
+    release knows some; Clang and non-x86 GCC none: they take no such flag and fuse alike)."""
+    known = [name for name in FMA_CHAIN_TUNINGS if _compiles(cc, f"-mtune-ctrl=^{name}")]
+    return (f"-mtune-ctrl={','.join('^' + name for name in known)}",) if known else ()
+
+
+def _compiles(cc: str, flag: str) -> bool:
+    """Whether the compiler takes `flag` (an empty C file, compiled and thrown away)."""
+    try:
+        done = subprocess.run([cc, flag, "-x", "c", "-c", "-", "-o", os.devnull], input="", capture_output=True,
+                              text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
+
+
 def build(cache_dir: Path, int8: str | None = None) -> Path:
     """Compile the kernels for this machine (once; the file name carries a hash of everything that
     matters). int8: force that int8 path (an INT8_PATHS name) instead of the best one."""
     cc = compiler()
-    flags = [*FLAGS, *([int8_define(int8)] if int8 is not None else [])]
+    flags = [*FLAGS, *fused_sums(cc), *([int8_define(int8)] if int8 is not None else [])]
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:

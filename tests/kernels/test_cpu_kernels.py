@@ -648,6 +648,28 @@ def test_build_failure_is_a_typed_error(tmp_path, monkeypatch):
         cpu.build(tmp_path)
 
 
+def test_the_build_turns_off_only_the_fma_chain_tunings_its_compiler_knows(tmp_path):
+    # A compiler that takes no such flag (Clang; one that fails everything here) gets none; a GCC
+    # for x86 gets one that names only tunings it takes, and the library builds with it.
+    refuses = tmp_path / "refuses"
+    refuses.write_text("#!/bin/sh\nexit 1\n")
+    refuses.chmod(0o755)
+    assert cpu.fused_sums(str(refuses)) == ()
+    try:
+        cc = cpu.compiler()
+    except cpu.KernelsUnavailable as e:
+        pytest.skip(str(e))
+    flags = cpu.fused_sums(cc)
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    if "Free Software Foundation" not in version or platform.machine().lower() not in ("x86_64", "amd64"):
+        assert flags == ()
+        return
+    (flag,) = flags
+    names = flag.removeprefix("-mtune-ctrl=").split(",")
+    assert "^avoid_fma_chains" in names and all(n.removeprefix("^") in cpu.FMA_CHAIN_TUNINGS for n in names)
+    assert compile_kernels(tmp_path / "fused.so", "-march=native", flag).returncode == 0
+
+
 def test_info_names_the_build_or_why_there_is_none(tmp_path, monkeypatch):
     from pdchat.engine.info import info
     monkeypatch.setenv("PDCHAT_CACHE_DIR", str(tmp_path / "ok"))
