@@ -139,16 +139,18 @@ def build(cache_dir: Path, int8: str | None = None) -> Path:
     """Compile the kernels for this machine (once; the file name carries a hash of everything that
     matters). int8: force that int8 path (an INT8_PATHS name) instead of the best one."""
     cc = compiler()
-    flags = [*FLAGS, *fused_sums(cc), *([int8_define(int8)] if int8 is not None else [])]
+    flags = [*FLAGS, *([int8_define(int8)] if int8 is not None else [])]
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelsUnavailable(f"C compiler {cc} does not run: {e}") from e
     sources = [f.read_text() for f in (SOURCE, *HEADERS)]
-    key = hashlib.sha1("\0".join([*sources, version, *flags, _cpu_identity()]).encode()).hexdigest()
+    # (fused_sums depends on the compiler alone, its version in the key: probed only to compile)
+    key = hashlib.sha1("\0".join([*sources, version, *flags, *FMA_CHAIN_TUNINGS, _cpu_identity()]).encode()).hexdigest()
     out = cache_dir / "kernels" / f"cpu_kernels-{key[:16]}.so"
     if out.is_file():
         return out
+    flags += fused_sums(cc)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         partial = Path(tmp) / out.name

@@ -648,7 +648,7 @@ def test_build_failure_is_a_typed_error(tmp_path, monkeypatch):
         cpu.build(tmp_path)
 
 
-def test_the_build_turns_off_only_the_fma_chain_tunings_its_compiler_knows(tmp_path):
+def test_the_build_turns_off_only_the_fma_chain_tunings_its_compiler_knows(tmp_path, monkeypatch):
     # A compiler that takes no such flag (Clang; one that fails everything here) gets none; a GCC
     # for x86 gets one that names only tunings it takes, and the library builds with it.
     refuses = tmp_path / "refuses"
@@ -668,6 +668,10 @@ def test_the_build_turns_off_only_the_fma_chain_tunings_its_compiler_knows(tmp_p
     names = flag.removeprefix("-mtune-ctrl=").split(",")
     assert "^avoid_fma_chains" in names and all(n.removeprefix("^") in cpu.FMA_CHAIN_TUNINGS for n in names)
     assert compile_kernels(tmp_path / "fused.so", "-march=native", flag).returncode == 0
+    # ...and a build compiles with what it says (a name the compiler refuses fails the build)
+    monkeypatch.setattr(cpu, "fused_sums", lambda cc: ("-mtune-ctrl=^no_such_tuning",))
+    with pytest.raises(cpu.KernelsUnavailable):
+        cpu.build(tmp_path / "refused")
 
 
 def test_info_names_the_build_or_why_there_is_none(tmp_path, monkeypatch):
