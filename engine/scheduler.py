@@ -131,7 +131,7 @@ class Scheduler:
         if plan.prompt_tokens:
             sliced = _as_slice(plan.prompt_tokens, plan.num_decode_tokens, self.cost.fast_rows)
             self.cost.record_prefill(plan.prompt_tokens, plan.prompt_pairs, sliced, seconds, plan.num_decode_tokens,
-                                     attention_s=None if drafted else tile_seconds)
+                                     attention_s=None if drafted else tile_seconds, timed=plan.timed)
         elif plan.decode_only and not drafted:
             self.cost.record_decode(seconds)
 

@@ -69,6 +69,7 @@ if TYPE_CHECKING:
 
 DECAY = 0.9              # weight of an observation after each newer one (the fit follows the machine)
 RECENT_SLICES = 10       # slices whose widths say what was measured lately: about the fit's memory
+GROWTH = 1.5             # the most a slice may widen past the widest measured lately (at least a vector)
 FORGOTTEN_AFTER = 30     # steps after which a vector measured once weighs as much as its neighbour's price
 PRIOR_WEIGHT = 1e-4       # of the prior against one observation: it only matters before there are some
 PRIOR_SLICE = 16         # tokens whose prefill costs about one decode step, before anything is measured
@@ -145,13 +146,14 @@ class StepCost:
         self.decode_s = seconds if self.decode_s is None else DECAY * self.decode_s + (1 - DECAY) * seconds
 
     def record_prefill(self, tokens: int, pairs: int, decoded: bool, seconds: float, other_rows: int = 0,
-                       attention_s: float | None = None) -> None:
+                       attention_s: float | None = None, timed: bool = True) -> None:
         """A step computed `tokens` prompt tokens scoring `pairs` query-key pairs (beside decodes
         when `decoded`, `other_rows` rows of them) in `seconds`, `attention_s` of them in the pairs'
-        attention where the kernels timed it."""
+        attention where the kernels timed it; `timed`: its slice was sized by the budget (not a
+        fixed chunk, whose width does not count as measured: slice_rows_cap)."""
         if tokens > 0:
             if decoded:
-                self._slice_rows.append(tokens + other_rows)
+                self._slice_rows.append(tokens + other_rows if timed else 0)
             work = seconds - (self.decode_s or 0.0) - self.fixed()
             (self._beside if decoded else self._alone).add(self.charged(tokens, other_rows, decoded), pairs,
                                                            max(work, 0.0), attention_s)
@@ -171,15 +173,24 @@ class StepCost:
 
     def slice_rows_cap(self, other_rows: int) -> int:
         """The most rows a step with a slice beside `other_rows` rows of decodes may have before a
-        step about that wide is measured: twice the widest of the latest slices, or two vectors
-        (one past the decodes' rows where they fill more). A vector not measured yet is priced as
-        the one before it, and they are not alike (see above). Fitted on the first slice alone, the
-        second was planned at 47 tokens for 40-48 ms and took 74-78: a stall of 3.8-4.1 decode
-        steps in each of three fresh engines. Grown by doubling, each size is measured before the
-        next is planned; and measured lately, because the fit forgets: after a prompt's late
-        slices of one vector, a three-vector slice early in the next prompt was planned at 50 ms
-        and took 76 (when one coefficient priced all of a slice's own vectors)."""
-        return max(2 * max(self._slice_rows, default=0), 2 * self.granule, other_rows + self.granule)
+        step about that wide is measured: half as wide again as the widest of the latest slices
+        that the budget sized (at least a vector more), or two vectors (one past the decodes' rows
+        where they fill more). A vector not measured lately is priced as the one before it, and
+        they are not alike: on a 2-core AMD EPYC (Zen 3, AVX2, 2026-12-02), early in a prompt, 8
+        more rows beside a decode cost 13, 16 and 16-20 ms from 24, 32 and 40 rows, so a step
+        widened past what was measured runs over its plan by what its new vectors cost beyond
+        their neighbour's price. Fitted on the first slice alone, the second was planned at 47 tokens for 40-48 ms
+        and took 74-78: a stall of 3.8-4.1 decode steps in each of three fresh engines. Widened
+        by doubling (until 2026-12-02), a newcomer's first slice after a prompt's late slices of
+        16 rows took 32, planned with two vectors not measured since the last prompt: 1.10-1.39x
+        its plan in four rounds, the worst gap of one. A fixed chunk's steps are measured but do
+        not widen the cap: all alike, they do not tell a step's vectors apart (after chunks of 32
+        tokens the fit priced five vectors at 1.01 ms a token each, and the first slices, 40-48
+        rows, took 1.07-1.54x their plans, the bench's worst gap in two of its three rounds)."""
+        g = self.granule
+        widest = max(self._slice_rows, default=0)
+        grown = max(-(-int(GROWTH * widest) // g) * g, widest + g) if widest else 0
+        return max(grown, 2 * g, other_rows + g)
 
     def prompt_seconds(self, step_budget: float) -> float:
         """Seconds of prompt work a step beside decodes may take: the budget's share past its

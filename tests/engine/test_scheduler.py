@@ -419,7 +419,7 @@ def test_a_time_budgeted_slice_ends_where_the_steps_rows_fill_a_vector(streams, 
     assert [i.num_tokens for i in plan.items] == [1] * streams + [slice_tokens]
 
 
-def test_slices_grow_by_doubling_until_a_step_that_wide_is_measured():
+def test_slices_grow_by_half_until_a_step_that_wide_is_measured():
     # A fresh cost model sees one slice of one vector, cheap (its rows share the vector with the
     # decode), and prices a vector of its own at the prior: by that three vectors would fit the
     # budget, but the next slice stops at two, and only once a step of two vectors is measured
@@ -613,7 +613,7 @@ def test_a_step_counts_as_a_slice_beside_decodes_and_within_the_fast_rows():
     assert not _as_slice(20, 0, CPU_ROWS) and _as_slice(500, 1, None)
 
 
-def test_a_prefill_step_is_learned_with_its_decode_rows():
+def test_a_prefill_step_is_learned_with_its_decode_rows_and_whether_the_budget_sized_it():
     seen = []
     cost = _learned(1e-3, 0.0, 0.025, CPU_ROWS)
     cost.record_prefill = lambda *a, **kw: seen.append((a, kw))
@@ -624,7 +624,14 @@ def test_a_prefill_step_is_learned_with_its_decode_rows():
     plan = sched.schedule()
     sched.record(plan, 0.05, drafted=False)
     (args, kw), = seen
-    assert args == (plan.prompt_tokens, plan.prompt_pairs, True, 0.05, 3) and kw == {"attention_s": None}
+    assert args == (plan.prompt_tokens, plan.prompt_pairs, True, 0.05, 3)
+    assert kw == {"attention_s": None, "timed": True}
+    run(plan)
+    sched.chunk_size = 16                               # a fixed chunk: measured, not sized by the budget
+    plan = sched.schedule()
+    assert plan.prompt_tokens + plan.num_decode_tokens == 16 and not plan.timed
+    sched.record(plan, 0.05, drafted=False)
+    assert seen[-1][1] == {"attention_s": None, "timed": False}
 
 
 def test_a_sequence_prefilled_elsewhere_joins_the_running_batch():

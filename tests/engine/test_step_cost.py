@@ -334,7 +334,25 @@ def test_a_slice_step_widens_the_cap_by_its_rows_and_only_a_step_with_prompt_tok
     cost.record_prefill(0, 0, True, 0.02, other_rows=1)       # no prompt tokens: nothing learned
     assert cost.slice_rows_cap(1) == 32 and cost.coefficients() == StepCost(1e-3, FastRows(48, 16)).coefficients()
     cost.record_prefill(1, attention_pairs(40, 1), True, 0.03, other_rows=20)    # one token beside 20 decodes
-    assert cost.slice_rows_cap(1) == 42                        # twice the 21 rows of that step
+    assert cost.slice_rows_cap(1) == 37                        # a vector past the 21 rows of that step
+    cost.record_prefill(39, attention_pairs(0, 39), True, 0.08, other_rows=1)
+    assert cost.slice_rows_cap(1) == 64                        # half as wide again as 40 rows, in whole vectors
+
+
+def test_a_fixed_chunks_steps_are_learned_from_but_do_not_widen_the_cap():
+    # All alike, a fixed chunk's steps do not tell a step's vectors apart: the budget's slices
+    # grow from what it measured itself, and after ten chunks from two vectors again.
+    cost = StepCost(pair_ratio=1e-3, fast_rows=FastRows(48, 16))
+    cost.record_decode(0.025)
+    cost.record_prefill(39, attention_pairs(0, 39), True, 0.09, other_rows=1)          # a budgeted slice
+    learned = cost.coefficients()
+    assert cost.slice_rows_cap(1) == 64
+    cost.record_prefill(47, attention_pairs(100, 47), True, 0.11, other_rows=1, timed=False)
+    assert cost.coefficients() != learned                      # measured...
+    assert cost.slice_rows_cap(1) == 64                        # ...but not 72 for its 48 rows
+    for start in range(200, 2000, 200):
+        cost.record_prefill(47, attention_pairs(start, 47), True, 0.11, other_rows=1, timed=False)
+    assert cost.slice_rows_cap(1) == 32 and cost.slice_rows_cap(20) == 36     # two vectors, or one past the decodes
 
 
 def test_no_time_or_less_than_the_first_vector_costs_fits_no_tokens():
