@@ -69,7 +69,7 @@ if TYPE_CHECKING:
 
 DECAY = 0.9              # weight of an observation after each newer one (the fit follows the machine)
 RECENT_SLICES = 10       # slices whose widths say what was measured lately: about the fit's memory
-GROWTH = 1.5             # the most a slice may widen past the widest measured lately (at least a vector)
+GROWTH = 1.5             # a slice's rows may reach this times the widest measured lately (or a vector more)
 FORGOTTEN_AFTER = 30     # steps after which a vector measured once weighs as much as its neighbour's price
 PRIOR_WEIGHT = 1e-4       # of the prior against one observation: it only matters before there are some
 PRIOR_SLICE = 16         # tokens whose prefill costs about one decode step, before anything is measured
@@ -179,8 +179,9 @@ class StepCost:
         they are not alike: on a 2-core AMD EPYC (Zen 3, AVX2, 2026-12-02), early in a prompt, 8
         more rows beside a decode cost 13, 16 and 16-20 ms from 24, 32 and 40 rows, so a step
         widened past what was measured runs over its plan by what its new vectors cost beyond
-        their neighbour's price. Fitted on the first slice alone, the second was planned at 47 tokens for 40-48 ms
-        and took 74-78: a stall of 3.8-4.1 decode steps in each of three fresh engines. Widened
+        their neighbour's price. Fitted on the first slice alone, the second was planned at 47
+        tokens for 40-48 ms and took 74-78: a stall of 3.8-4.1 decode steps in each of three fresh
+        engines (a fixed first slice, before a decode step is measured, does not count). Widened
         by doubling (until 2026-12-02), a newcomer's first slice after a prompt's late slices of
         16 rows took 32, planned with two vectors not measured since the last prompt: 1.10-1.39x
         its plan in four rounds, the worst gap of one. A fixed chunk's steps are measured but do
