@@ -655,10 +655,7 @@ def test_the_build_turns_off_only_the_fma_chain_tunings_its_compiler_knows(tmp_p
     refuses.write_text("#!/bin/sh\nexit 1\n")
     refuses.chmod(0o755)
     assert cpu.fused_sums(str(refuses)) == ()
-    try:
-        cc = cpu.compiler()
-    except cpu.KernelsUnavailable as e:
-        pytest.skip(str(e))
+    cc = compiler_or_skip()
     flags = cpu.fused_sums(cc)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     if "Free Software Foundation" not in version or platform.machine().lower() not in ("x86_64", "amd64"):
@@ -761,13 +758,18 @@ def test_a_forked_child_computes_without_the_parents_workers(ops):
     raise AssertionError("the forked child hung in a product")
 
 
+def compiler_or_skip() -> str:
+    """The C compiler the build would use; the test skips, saying why, where there is none."""
+    try:
+        return cpu.compiler()
+    except cpu.KernelsUnavailable as e:
+        pytest.skip(str(e))
+
+
 def compile_kernels(out, *flags: str) -> subprocess.CompletedProcess:
     """cpu_kernels.c built into `out` with the library's code flags and `flags`: the compiler's run
     (its status and errors). Skips where there is no compiler."""
-    try:
-        cc = cpu.compiler()
-    except cpu.KernelsUnavailable as e:
-        pytest.skip(str(e))
+    cc = compiler_or_skip()
     return subprocess.run([cc, *cpu.CODE_FLAGS, "-shared", "-fPIC", *flags, str(cpu.SOURCE), "-o", str(out), "-lm"],
                           capture_output=True, text=True, timeout=300)
 
