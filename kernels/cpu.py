@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from . import cpu_products, reference
-from .cpu_products import CpuProducts
+from .cpu_products import WEIGHTS_INT4, WEIGHTS_INT8, CpuProducts
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 HEADERS = (Path(__file__).with_name("cpu_pool.h"),)
@@ -183,7 +183,7 @@ _SIGNATURES = {
     "pd_unpack_q4": ([_P, _P, _P, _I, _I, _I], None),
     "pd_unpack_u8": ([_P, _P, _P, _I, _I, _I], None),
     "pd_fast_rows": ([], _I),
-    "pd_quant_max_rows": ([], _I),
+    "pd_quant_max_rows": ([_I], _I),
     "pd_u8_dequant_rows": ([], _I),
     "pd_rms_norm": ([_P, _P, _P, _I, _I, _F, _I], None),
     "pd_add_rms_norm": ([_P, _P, _P, _P, _I, _I, _F, _I], None),
@@ -195,7 +195,6 @@ _SIGNATURES = {
     "pd_pool_spin": ([_I], None),
     "pd_layers": ([_P, _F, _P, _P, _P, _P, _P, _P, _P, _P, _L, _P, _I, _P, _P, _I, _I, _F, _I, _I, _P], _I),
 }
-WEIGHTS_INT8, WEIGHTS_INT4 = 1, 2   # how C names a weight format (PD_WEIGHTS_* in cpu_kernels.c)
 PTRS_PER_LAYER = 16        # pd_layers: qkv (weight, scales, bias), q/k norm, o (3), norm, gate_up (3), down (3), norm
 
 

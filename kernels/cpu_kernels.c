@@ -898,18 +898,32 @@ static void u8_rows(const void *p, int lo, int hi) {
     }
 }
 
+/* From how many rows int8 (U8_OUTER_MIN_ROWS) and int4 (Q4_OUTER_MIN_ROWS) products run in the
+ * integer outer-product form (int_outer, below). On the VNNI paths, 8: at 8 rows (AVX-512, both
+ * models) int8 1.2-2.8x the dot kernel, int4 0.76-1.8x. AVX2 takes int4 only (DPBUSD there says
+ * why), also from 8: the default model's 30 layers of products (2-core AMD EPYC, Zen 3, weights
+ * from memory, best of 5, 2026-12-03) took 13.3-14.4 ms at 4-8 rows that way, by the dot kernel
+ * 9.1 at 4, 12.7-14.6 at 6, 14.3 at 7, 15.8 at 8, 23.4 at 12 and 31.9 at 16 (outer: 21.8, 23.6). */
 #if PDCHAT_INT8_PATH == PD_INT8_AVX512VNNI || PDCHAT_INT8_PATH == PD_INT8_AVXVNNI
-enum { OUTER_U8, OUTER_Q4 };   /* the weights of a vnni_outer call */
-static int vnni_outer(int format, const float *x, const uint8_t *w, const void *params, const float *bias,
-                      float *y, int M, int N, int K, int threads);
-#define VNNI_OUTER_MIN_ROWS 8   /* at 8 rows (AVX-512, both models): int8 1.2-2.8x the dot kernel, int4 0.76-1.8x */
+#define U8_OUTER_MIN_ROWS 8
+#define Q4_OUTER_MIN_ROWS 8
+#elif PDCHAT_INT8_PATH == PD_INT8_AVX2
+#define Q4_OUTER_MIN_ROWS 8
+#endif
+#ifdef Q4_OUTER_MIN_ROWS
+enum { OUTER_U8, OUTER_Q4 };   /* the weights of an int_outer call */
+static int int_outer(int format, const float *x, const uint8_t *w, const void *params, const float *bias,
+                     float *y, int M, int N, int K, int threads);
 #endif
 /* AVX2 has no dpbusd: its int8 dot product (maddubs on |q| and signed activations, two parts)
  * costs more than fp32's FMAs, and prompt rows ran at 0.46-0.72x fp32 (-march=haswell build, 1B
  * shape, 16-40 rows). From this many rows its weights are unpacked a block at a time for the fp32
  * outer-product kernel: the activations stay fp32, as above 48 rows (BLAS), so a prompt's numbers
- * differ from a decode's by the activations' int8 rounding (~1e-5 of a block's largest value). */
-#define AVX2_U8_DEQUANT_ROWS 16
+ * differ from a decode's by the activations' int8 rounding (~1e-5 of a block's largest value).
+ * From 8 rather than 16 (a decode batch of 8-15): the default model's 30 layers of products
+ * (Zen 3, as above, 2026-12-03) unpacked took 21.5-21.7 ms at 4-8 rows and 28.0 at 12, by the dot
+ * kernel 14.1 at 4, 19.8-20.3 at 6, 22.8 at 7, 26.2 at 8 and 38.4 at 12. */
+#define AVX2_U8_DEQUANT_ROWS 8
 
 /* From how many rows pd_linear_u8 multiplies with fp32 activations (0: it never does). */
 int pd_u8_dequant_rows(void) {
@@ -922,8 +936,8 @@ int pd_u8_dequant_rows(void) {
 
 int pd_linear_u8(const float *x, const uint8_t *w, const float *scales, const float *bias, float *y,
                  int M, int N, int K, int threads) {
-#ifdef VNNI_OUTER_MIN_ROWS
-    if (M >= VNNI_OUTER_MIN_ROWS) return vnni_outer(OUTER_U8, x, w, scales, bias, y, M, N, K, threads);
+#ifdef U8_OUTER_MIN_ROWS
+    if (M >= U8_OUTER_MIN_ROWS) return int_outer(OUTER_U8, x, w, scales, bias, y, M, N, K, threads);
 #elif PDCHAT_INT8_PATH == PD_INT8_AVX2
     if (M >= AVX2_U8_DEQUANT_ROWS) return outer_product(x, NULL, w, NULL, scales, bias, y, M, N, K, threads);
 #endif
@@ -1369,7 +1383,7 @@ void pd_unpack_q4(const uint8_t *w, const uint16_t *params, float *out, int N, i
     parallel_rows(q4_unpack_rows, &job, N, row_chunk(N, threads), threads);
 }
 
-/* ---- Integer products in outer-product form (VNNI): prefills and batches of 8 rows and more ----
+/* ---- Integer products in outer-product form: prefills and batches of 8 rows and more ---------
  * The dot-product kernels above convert and scale each (weight row, activation row, block) sum on
  * its own: about 9 multiply-adds an instruction against fp32's 16, and a 32-token prompt ran at
  * 0.73x fp32's speed in int8 (default model, 0.51x on the 1B shape). Here the activations are
@@ -1378,8 +1392,8 @@ void pd_unpack_q4(const uint8_t *w, const uint16_t *params, float *out, int N, i
  * weight rows x V vectors of rows keep their sums in registers for a whole block, and a block's
  * conversion and scaling serves a vector of rows at once. The arithmetic is the dot-product
  * kernels' (the same quantized activations, exact integer sums per block): only the order of the
- * float additions differs. AVX-512 VNNI and AVX-VNNI (256 bits, 16 registers: one vector of
- * rows a tile) share the code through these names. */
+ * float additions differs. AVX-512 VNNI, AVX-VNNI (256 bits, 16 registers: one vector of
+ * rows a tile) and, for int4, AVX2 share the code through these names. */
 #if PDCHAT_INT8_PATH == PD_INT8_AVX512VNNI
 #define OUTER_LANES 16
 #define OUTER_V 2           /* vectors of rows a tile takes (32 registers) */
@@ -1396,7 +1410,7 @@ typedef __m512 fvec;
 #define F_OF(v) _mm512_cvtepi32_ps(v)
 #define F_MUL(a, b) _mm512_mul_ps(a, b)
 #define F_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#elif PDCHAT_INT8_PATH == PD_INT8_AVXVNNI
+#elif PDCHAT_INT8_PATH == PD_INT8_AVXVNNI || PDCHAT_INT8_PATH == PD_INT8_AVX2
 #define OUTER_LANES 8
 #define OUTER_V 1
 typedef __m256i ivec;
@@ -1404,7 +1418,22 @@ typedef __m256 fvec;
 #define I_ZERO() _mm256_setzero_si256()
 #define I_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
 #define I_SET1(w) _mm256_set1_epi32(w)
+#if PDCHAT_INT8_PATH == PD_INT8_AVXVNNI
 #define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#else
+/* dpbusd as AVX2 has it: maddubs adds two u8 x s8 products into an int16, which holds them exactly
+ * only while they stay within it. int4's weights (0..15) against activations of at most 127 make
+ * at most 3,810: the same sums as dpbusd. int8's stored weights (q + 128, up to 255) would
+ * saturate, so AVX2's int8 rows take the fp32 kernel instead (AVX2_U8_DEQUANT_ROWS). */
+#define DPBUSD(acc, u, s) \
+    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
+/* int4's group of 32: its 8 words' maddubs pairs add up in int16 (8 x 3,810 < 32,767), widened
+ * once a group: the 30 layers' int4 products (Zen 3, 2026-12-03, three alternating runs) took
+ * 1-9% less time at 16, 32 and 128 rows than with a widening per word. */
+#define Q4_GROUP_ADD(acc, u, s) _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s))
+#define Q4_GROUP_SUM(acc) _mm256_madd_epi16(acc, _mm256_set1_epi16(1))
+_Static_assert(Q4_GROUP / 2 * 15 * 127 <= 32767, "a group's int4 products fit an int16");
+#endif
 #define F_ZERO() _mm256_setzero_ps()
 #define F_LOAD(p) _mm256_loadu_ps(p)
 #define F_STORE(p, v) _mm256_storeu_ps(p, v)
@@ -1414,11 +1443,16 @@ typedef __m256 fvec;
 #define F_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #endif
 
+#if defined(OUTER_LANES) && !defined(Q4_GROUP_ADD)
+#define Q4_GROUP_ADD(acc, u, s) DPBUSD(acc, u, s)
+#define Q4_GROUP_SUM(acc) (acc)
+#endif
+
 #ifdef OUTER_LANES
-#define VNNI_R 4        /* weight rows of a tile */
+#define OUTER_R 4        /* weight rows of a tile */
 #define WORDS(k) ((k) / 4)
 
-struct vnni_outer_job {
+struct int_outer_job {
     const float *x, *bias;
     const uint8_t *w;
     const void *params;       /* int8: row scales (float); int4: (d, m) per group (bf16) */
@@ -1433,14 +1467,14 @@ struct vnni_outer_job {
  * words k-major (lane = row), so a strip of rows reads one stream and a panel is one run of
  * memory (k-major across all rows, a panel of a 256-row prefill was read at a stride of 1 KB,
  * which L2 could hold only a part of: 47 against 138 G multiply-adds a second). */
-static inline int64_t word_at(const struct vnni_outer_job *j, int m, int i) {
+static inline int64_t word_at(const struct int_outer_job *j, int m, int i) {
     return ((int64_t)(m / OUTER_LANES) * WORDS(j->K) + i) * OUTER_LANES + m % OUTER_LANES;
 }
 
 /* Word i of a block's OUTER_LANES rows (row r's at words[r][i]) into the tiles' layout, from
  * activation row m0 (a vector's first) on: a vector's lanes at once, where row by row was a store
  * of 4 bytes per word (quantizing the default model's activations: 0.92 -> 0.73 ns a value). */
-static inline void store_words(const struct vnni_outer_job *j, int32_t *q, int m0, int w0, int n,
+static inline void store_words(const struct int_outer_job *j, int32_t *q, int m0, int w0, int n,
                                const int32_t words[OUTER_LANES][QBLOCK / 4]) {
     for (int i = 0; i < n; i++) {
         int32_t *at = q + word_at(j, m0, w0 + i);
@@ -1449,10 +1483,11 @@ static inline void store_words(const struct vnni_outer_job *j, int32_t *q, int m
     }
 }
 
+#ifdef U8_OUTER_MIN_ROWS
 /* Vectors of activation rows [lo, hi) quantized as for pd_linear_u8 (two parts a block of 64),
  * into the tiles' layout; rows past M are zeros with zero scales. */
 static void u8_outer_acts(const void *p, int lo, int hi) {
-    const struct vnni_outer_job *j = p;
+    const struct int_outer_job *j = p;
     int K = j->K, MP = j->MP;
     int32_t *qh = j->q, *ql = j->q + (int64_t)WORDS(K) * MP;
     for (int m0 = lo * OUTER_LANES; m0 < hi * OUTER_LANES; m0 += OUTER_LANES) {
@@ -1470,10 +1505,11 @@ static void u8_outer_acts(const void *p, int lo, int hi) {
         for (int r = 0; r < rows; r++) j->xz[m0 + r] = 128.f * c[r];
     }
 }
+#endif
 
 /* The same for int4's activations (one part, a block of 32: quantize_group). */
 static void q4_outer_acts(const void *p, int lo, int hi) {
-    const struct vnni_outer_job *j = p;
+    const struct int_outer_job *j = p;
     int K = j->K, MP = j->MP;
     for (int m0 = lo * OUTER_LANES; m0 < hi * OUTER_LANES; m0 += OUTER_LANES) {
         int rows = j->M - m0 < OUTER_LANES ? j->M - m0 : OUTER_LANES;
@@ -1499,10 +1535,10 @@ static inline ivec word_of(const uint8_t *at) {
 
 /* A tile's sums (f[r * V + v]) into y, a run of R floats per activation row: int8's undo the
  * weights' +128 offset (corr, in xz) and take the row's scale; int4's are final. */
-static inline void outer_store(const struct vnni_outer_job *j, const fvec *f, int R, int V, int n0, int m0) {
+static inline void outer_store(const struct int_outer_job *j, const fvec *f, int R, int V, int n0, int m0) {
     const float *scales = j->format == OUTER_U8 ? j->params : NULL;
     for (int v = 0; v < V; v++) {
-        float t[VNNI_R][OUTER_LANES];
+        float t[OUTER_R][OUTER_LANES];
         for (int r = 0; r < R; r++) F_STORE(t[r], f[r * V + v]);
         for (int i = 0; i < OUTER_LANES && m0 + OUTER_LANES * v + i < j->M; i++) {
             int m = m0 + OUTER_LANES * v + i;
@@ -1524,7 +1560,7 @@ static inline void outer_store(const struct vnni_outer_job *j, const fvec *f, in
 
 /* A tile's sums: into y (outer_store) once K's last block is in (`last`), else kept in part
  * (weight row r, vector v at part + r * pstride + v * OUTER_LANES) for the next chunk. */
-static inline void tile_done(const struct vnni_outer_job *j, const fvec *f, int R, int V, int n0, int m0,
+static inline void tile_done(const struct int_outer_job *j, const fvec *f, int R, int V, int n0, int m0,
                              int last, float *part, int64_t pstride) {
     if (last) {
         outer_store(j, f, R, V, n0, m0);
@@ -1534,6 +1570,7 @@ static inline void tile_done(const struct vnni_outer_job *j, const fvec *f, int 
         for (int v = 0; v < V; v++) F_STORE(part + r * pstride + v * OUTER_LANES, f[r * V + v]);
 }
 
+#ifdef U8_OUTER_MIN_ROWS
 /* The sums of weight rows n0.. (R of them) x activation rows m0.. (V vectors) over K's blocks
  * [b0, b1), int8's: per block f += (hi_sum + lo_sum / 254) * xs, continuing the sums in part.
  * A tile of one vector fetches the next tile's weights into L2 as it goes: its four short runs of
@@ -1542,7 +1579,7 @@ static inline void tile_done(const struct vnni_outer_job *j, const fvec *f, int 
  * vectors, where a tile has twice the arithmetic per weight, it gained nothing; AVX-VNNI's
  * one-vector tiles not measured). */
 #define U8_OUTER_TILE(R, V)                                                                        \
-    static void u8_outer_##R##x##V(const struct vnni_outer_job *j, int n0, int m0, int b0, int b1,  \
+    static void u8_outer_##R##x##V(const struct int_outer_job *j, int n0, int m0, int b0, int b1,  \
                                    float *part, int64_t pstride) {                                 \
         int K = j->K, MP = j->MP;                                                                  \
         const uint8_t *w = j->w + (int64_t)n0 * K;                                                 \
@@ -1588,12 +1625,13 @@ U8_OUTER_TILE(1, 1)
 U8_OUTER_TILE(4, 2)
 U8_OUTER_TILE(1, 2)
 #endif
+#endif
 
 /* int4: per group f += d * xs * <u, q> + m * xz over groups [g0, g1), from the tile's rows of the
  * chunk unpacked to one byte a weight in k order (u, OUTER_KC bytes a row) and their params as
  * floats (dm: d, m per group, OUTER_KC / Q4_GROUP groups a row). */
 #define Q4_OUTER_TILE(R, V)                                                                        \
-    static void q4_outer_##R##x##V(const struct vnni_outer_job *j, const uint8_t *u, const float *dm, int n0, \
+    static void q4_outer_##R##x##V(const struct int_outer_job *j, const uint8_t *u, const float *dm, int n0, \
                                    int m0, int g0, int g1, float *part, int64_t pstride) {          \
         int K = j->K, MP = j->MP;                                                                  \
         const int32_t *q = j->q + word_at(j, m0, 0);                                               \
@@ -1610,7 +1648,7 @@ U8_OUTER_TILE(1, 2)
                 for (int v = 0; v < V; v++) xw[v] = I_LOAD(q + ((int64_t)v * WORDS(K) + i) * OUTER_LANES); \
                 for (int r = 0; r < R; r++) {                                                      \
                     ivec wb = word_of(u + (int64_t)r * OUTER_KC + 4 * (i - WORDS(g0 * Q4_GROUP))); \
-                    for (int v = 0; v < V; v++) acc[r][v] = DPBUSD(acc[r][v], wb, xw[v]);          \
+                    for (int v = 0; v < V; v++) acc[r][v] = Q4_GROUP_ADD(acc[r][v], wb, xw[v]);    \
                 }                                                                                  \
             }                                                                                      \
             for (int v = 0; v < V; v++) {                                                          \
@@ -1618,7 +1656,7 @@ U8_OUTER_TILE(1, 2)
                 fvec xz = F_LOAD(j->xz + (int64_t)g * MP + m0 + OUTER_LANES * v);                  \
                 for (int r = 0; r < R; r++) {                                                      \
                     const float *p = dm + 2 * ((int64_t)r * (OUTER_KC / Q4_GROUP) + g - g0);       \
-                    fvec dot = F_MUL(F_OF(acc[r][v]), xs);                                         \
+                    fvec dot = F_MUL(F_OF(Q4_GROUP_SUM(acc[r][v])), xs);                           \
                     f[r][v] = F_FMA(dot, F_SET1(p[0]), f[r][v]);                                   \
                     f[r][v] = F_FMA(xz, F_SET1(p[1]), f[r][v]);                                    \
                 }                                                                                  \
@@ -1638,7 +1676,7 @@ Q4_OUTER_TILE(1, 2)
  * Without the panels a 512-row prefill's words were re-read from L3 by every tile (int8: 0.47x
  * BLAS's fp32). */
 #define OUTER_PANEL_BYTES (512 << 10)
-static int outer_panel(const struct vnni_outer_job *j, int parts) {
+static int outer_panel(const struct int_outer_job *j, int parts) {
     int rows = (int)(OUTER_PANEL_BYTES / ((int64_t)parts * j->K)) & ~31;
     return rows < 32 ? 32 : rows;
 }
@@ -1657,15 +1695,16 @@ struct outer_chunk {
     float *part;              /* OUTER_NC x (m1 - m0): weight row-major */
 };
 
-/* Each pair of activation vectors against the block's tiles of VNNI_R weight rows (single rows
+#ifdef U8_OUTER_MIN_ROWS
+/* Each pair of activation vectors against the block's tiles of OUTER_R weight rows (single rows
  * at the block's end). */
-static void u8_outer_chunk(const struct vnni_outer_job *j, const struct outer_chunk *c) {
+static void u8_outer_chunk(const struct int_outer_job *j, const struct outer_chunk *c) {
     int64_t ps = c->m1 - c->m0;
     for (int V, m = c->m0; m < c->m1; m += OUTER_LANES * V) {
         V = c->m1 - m >= OUTER_V * OUTER_LANES ? OUTER_V : 1;
-        for (int n = c->n0; n < c->n1; n += VNNI_R) {
+        for (int n = c->n0; n < c->n1; n += OUTER_R) {
             float *part = c->part + (n - c->n0) * ps + (m - c->m0);
-            if (c->n1 - n >= VNNI_R)
+            if (c->n1 - n >= OUTER_R)
                 PAIR_OR_ONE(u8_outer_4x2, u8_outer_4x1, V, j, n, m, c->k0, c->k1, part, ps);
             else
                 for (int r = 0; r < c->n1 - n; r++)
@@ -1673,17 +1712,18 @@ static void u8_outer_chunk(const struct vnni_outer_job *j, const struct outer_ch
         }
     }
 }
+#endif
 
-static void q4_outer_chunk(const struct vnni_outer_job *j, const struct outer_chunk *c, const uint8_t *u,
+static void q4_outer_chunk(const struct int_outer_job *j, const struct outer_chunk *c, const uint8_t *u,
                            const float *dm) {
     int64_t ps = c->m1 - c->m0;
     for (int V, m = c->m0; m < c->m1; m += OUTER_LANES * V) {
         V = c->m1 - m >= OUTER_V * OUTER_LANES ? OUTER_V : 1;
-        for (int n = c->n0; n < c->n1; n += VNNI_R) {
+        for (int n = c->n0; n < c->n1; n += OUTER_R) {
             const uint8_t *ur = u + (int64_t)(n - c->n0) * OUTER_KC;
             const float *dr = dm + 2 * (n - c->n0) * (OUTER_KC / Q4_GROUP);
             float *part = c->part + (n - c->n0) * ps + (m - c->m0);
-            if (c->n1 - n >= VNNI_R)
+            if (c->n1 - n >= OUTER_R)
                 PAIR_OR_ONE(q4_outer_4x2, q4_outer_4x1, V, j, ur, dr, n, m, c->k0, c->k1, part, ps);
             else
                 for (int r = 0; r < c->n1 - n; r++)
@@ -1697,7 +1737,7 @@ static void q4_outer_chunk(const struct vnni_outer_job *j, const struct outer_ch
  * order (u, OUTER_KC bytes a row) and their params as floats (dm). Each row fetches the same
  * chunk 16 rows further into L2: the default model's 30 layers of int4 products 4-11% faster at
  * 8-48 rows (2-core AMD EPYC, 2026-11-27, alternating runs; 4 rows further: 3-10%). */
-static void q4_outer_unpack(const struct vnni_outer_job *j, const struct outer_chunk *c, uint8_t *u, float *dm) {
+static void q4_outer_unpack(const struct int_outer_job *j, const struct outer_chunk *c, uint8_t *u, float *dm) {
     int ng = j->K / Q4_GROUP;
     for (int n = c->n0; n < c->n1; n++) {
         const uint8_t *wr = j->w + (int64_t)n * (j->K / 2);
@@ -1724,8 +1764,8 @@ static void q4_outer_unpack(const struct vnni_outer_job *j, const struct outer_c
 
 /* Weight rows [lo, hi): per panel of activation rows, per block of OUTER_NC weight rows, per chunk
  * of K (int4's unpacked once for the panel's rows). */
-static void vnni_outer_rows(const void *p, int lo, int hi) {
-    const struct vnni_outer_job *j = p;
+static void int_outer_rows(const void *p, int lo, int hi) {
+    const struct int_outer_job *j = p;
     int int8 = j->format == OUTER_U8, panel = outer_panel(j, int8 ? 2 : 1);
     int per_chunk = OUTER_KC / (int8 ? QBLOCK : Q4_GROUP), chunks = j->K / (int8 ? QBLOCK : Q4_GROUP);
     /* the sums, then int4's unpacked chunk (dm, u: 40 KB, unused by int8) */
@@ -1744,12 +1784,14 @@ static void vnni_outer_rows(const void *p, int lo, int hi) {
             c.n1 = c.n0 + OUTER_NC < hi ? c.n0 + OUTER_NC : hi;
             for (c.k0 = 0; c.k0 < chunks; c.k0 += per_chunk) {
                 c.k1 = c.k0 + per_chunk < chunks ? c.k0 + per_chunk : chunks;
+#ifdef U8_OUTER_MIN_ROWS
                 if (int8) {
                     u8_outer_chunk(j, &c);
-                } else {
-                    q4_outer_unpack(j, &c, u, dm);
-                    q4_outer_chunk(j, &c, u, dm);
+                    continue;
                 }
+#endif
+                q4_outer_unpack(j, &c, u, dm);
+                q4_outer_chunk(j, &c, u, dm);
             }
         }
     }
@@ -1757,8 +1799,8 @@ static void vnni_outer_rows(const void *p, int lo, int hi) {
 
 /* y[M, N] = x @ W^T + bias for W int8 (format OUTER_U8: w, row scales) or int4 (OUTER_Q4: w,
  * params). Returns -1 if out of memory. */
-static int vnni_outer(int format, const float *x, const uint8_t *w, const void *params, const float *bias,
-                      float *y, int M, int N, int K, int threads) {
+static int int_outer(int format, const float *x, const uint8_t *w, const void *params, const float *bias,
+                     float *y, int M, int N, int K, int threads) {
     int MP = (M + OUTER_LANES - 1) / OUTER_LANES * OUTER_LANES, failed = 0, int8 = format == OUTER_U8;
     int blocks = K / (int8 ? QBLOCK : Q4_GROUP);
     /* not kept between calls (a long prompt's are tens of MB); every word and scale is written */
@@ -1766,10 +1808,15 @@ static int vnni_outer(int format, const float *x, const uint8_t *w, const void *
     int32_t *q = malloc(sizeof(int32_t) * words + sizeof(float) * 2 * blocks * MP);
     if (!q) return -1;
     float *xs = (float *)(q + words);
-    struct vnni_outer_job job = {x, bias, w, params, q, xs, xs + (size_t)blocks * MP, y, format, M, MP, N, K, &failed};
+    struct int_outer_job job = {x, bias, w, params, q, xs, xs + (size_t)blocks * MP, y, format, M, MP, N, K, &failed};
     int vectors = MP / OUTER_LANES;
-    parallel_rows(int8 ? u8_outer_acts : q4_outer_acts, &job, vectors, (vectors + threads - 1) / threads, threads);
-    parallel_rows(vnni_outer_rows, &job, N, row_chunk(N, threads), threads);
+#ifdef U8_OUTER_MIN_ROWS
+    rows_fn acts = int8 ? u8_outer_acts : q4_outer_acts;
+#else
+    rows_fn acts = q4_outer_acts;             /* (AVX2: int4 only) */
+#endif
+    parallel_rows(acts, &job, vectors, (vectors + threads - 1) / threads, threads);
+    parallel_rows(int_outer_rows, &job, N, row_chunk(N, threads), threads);
     free(q);
     return failed ? -1 : 0;
 }
@@ -1778,8 +1825,8 @@ static int vnni_outer(int format, const float *x, const uint8_t *w, const void *
 /* K must be a multiple of 64. Returns -1 if out of memory (the caller raises). */
 int pd_linear_q4(const float *x, const uint8_t *w, const uint16_t *params, const float *bias, float *y,
                  int M, int N, int K, int threads) {
-#ifdef VNNI_OUTER_MIN_ROWS
-    if (M >= VNNI_OUTER_MIN_ROWS) return vnni_outer(OUTER_Q4, x, w, params, bias, y, M, N, K, threads);
+#ifdef Q4_OUTER_MIN_ROWS
+    if (M >= Q4_OUTER_MIN_ROWS) return int_outer(OUTER_Q4, x, w, params, bias, y, M, N, K, threads);
 #endif
     int ng = K / Q4_GROUP;
     int8_t *xq = malloc((size_t)M * K);
@@ -2552,16 +2599,22 @@ enum { PD_WEIGHTS_INT8 = 1, PD_WEIGHTS_INT4 = 2 };
 /* FAST_ROWS (above), for the scheduler and the products past it. */
 int pd_fast_rows(void) { return FAST_ROWS; }
 
-/* The most activation rows for which pd_linear_u8 and pd_linear_q4 beat BLAS on
- * weights unpacked to fp32; 0: the caller's own limit. The outer-product kernels, by chunks of K
- * (2026-11-26, 1B shape's products): AVX-512 VNNI int8 1.0-1.3x MKL's fp32 from 128 to 1,024
- * rows (over the whole of K a tile at a time: 0.80-1.1x from 512, where unpacking for BLAS did
- * 0.89-0.95x), int4 1.5-2.3x; the AVX-VNNI build, against MKL held to AVX2 on this machine, int8
- * 1.07-1.20x (default model 0.93-0.96x, as unpacking), int4 1.4-1.7x. */
-int pd_quant_max_rows(void) {
+/* The most activation rows for which pd_linear_u8 (format PD_WEIGHTS_INT8) or pd_linear_q4
+ * (PD_WEIGHTS_INT4) beats BLAS on weights unpacked to fp32; 0: the caller's own limit. The
+ * outer-product kernels, by chunks of K (2026-11-26, 1B shape's products): AVX-512 VNNI int8
+ * 1.0-1.3x MKL's fp32 from 128 to 1,024 rows (over the whole of K a tile at a time: 0.80-1.1x
+ * from 512, where unpacking for BLAS did 0.89-0.95x), int4 1.5-2.3x; the AVX-VNNI build, against
+ * MKL held to AVX2 on this machine, int8 1.07-1.20x (default model 0.93-0.96x, as unpacking),
+ * int4 1.4-1.7x. AVX2's int4 (2-core AMD EPYC, Zen 3, the default model's 30 layers, 2026-12-03):
+ * 256 and 512 rows 1.37x and 1.35x fp32's best (MKL), unpacked for BLAS 0.90x and 1.00x. */
+int pd_quant_max_rows(int format) {
 #if PDCHAT_INT8_PATH == PD_INT8_AVX512VNNI || PDCHAT_INT8_PATH == PD_INT8_AVXVNNI
+    (void)format;
     return INT_MAX;
+#elif PDCHAT_INT8_PATH == PD_INT8_AVX2
+    return format == PD_WEIGHTS_INT4 ? INT_MAX : 0;
 #else
+    (void)format;
     return 0;
 #endif
 }

@@ -17,11 +17,12 @@ from . import FastRows, reference
 # for BLAS, where BLAS's matrix-matrix products win (measured, README; on AVX-512, int4's integer
 # kernel up to 96 rows made prompts of 48-96 tokens 0.64-0.87x as fast as fp32 on the default
 # model, 2026-11-26), except where the build's integer kernels say they go further
-# (pd_quant_max_rows: the VNNI builds', all the way).
+# (pd_quant_max_rows: the VNNI builds' all the way, and AVX2's for int4).
 # Rows by which the fp32 products' cost rises (pd_row_granule: outer-product strips of 8, or of 16
 # past 16 rows where the CPU runs those faster, cpu_kernels.c): with 8, 41 rows cost what 48 do, 17
 # what 24 do. The AVX-512 VNNI integer kernels take rows 16 at a time, so with 8 every other step
 # costs nothing there, which the step cost model's price per vector learns.
+WEIGHTS_INT8, WEIGHTS_INT4 = 1, 2   # how C names a weight format (PD_WEIGHTS_* in cpu_kernels.c)
 UNPACK_FLOATS = 1 << 22    # quantized weights unpacked for BLAS this many at a time (16 MB, one buffer)
 QBLOCK = 64                # activation quantization block of the int8 product (cpu_kernels.c)
 
@@ -112,8 +113,9 @@ class CpuProducts:
         # a forward of up to this many rows can be one C call; its products beat BLAS up to them
         self.fast_rows = FastRows(lib.pd_fast_rows(), lib.pd_row_granule())
         self.sliced = SlicedBlas()                  # quantized products of long prefills
-        # rows up to which the C int8 and int4 products beat BLAS on unpacked weights
-        self.quant_max_rows = max(self.fast_rows.limit, lib.pd_quant_max_rows())
+        # rows up to which the C int8 and int4 products beat BLAS on unpacked weights, by format
+        self.quant_max_rows = {fmt: max(self.fast_rows.limit, lib.pd_quant_max_rows(code))
+                               for fmt, code in (("int8", WEIGHTS_INT8), ("int4", WEIGHTS_INT4))}
 
     def _in_c(self, rows: int) -> bool:
         """Whether a product of this many fp32 (or exact int8) rows runs in C."""
@@ -185,7 +187,7 @@ class CpuProducts:
                     bias: torch.Tensor | None = None) -> torch.Tensor:
         if packed.dtype != torch.uint8 or not self._ok(x, bias):
             return reference.linear_int8(x, packed, scales, bias)
-        if x.shape[0] > self.quant_max_rows:
+        if x.shape[0] > self.quant_max_rows["int8"]:
             # A long prefill on a build without VNNI: BLAS beats its integer kernel there (measured,
             # README), on weights unpacked in C on the pool (torch's element-wise passes cost a sixth
             # of it).
@@ -207,7 +209,7 @@ class CpuProducts:
         if not self._ok(x, bias) or packed.device.type != "cpu" or params.dtype != torch.bfloat16:
             return reference.linear_int4(x, packed, params, bias)
         N, K = packed.shape[0], packed.shape[1] * 2
-        if x.shape[0] > self.quant_max_rows:
+        if x.shape[0] > self.quant_max_rows["int4"]:
             # As for int8, unpacked in C on the pool (torch's element-wise unpacking took longer
             # than the product).
             def unpack(n0: int, n1: int, out: torch.Tensor) -> None:

@@ -162,7 +162,7 @@ def test_the_fast_rows_follow_the_build(ops):
     granule = 16 if ops.lib.pd_outer_pad_16(-1) == 1 else 8
     assert ops.fast_rows == kernels.FastRows(144 if wide else 48, granule)
     assert ops.lib.pd_row_granule() == granule
-    assert ops.quant_max_rows >= ops.fast_rows.limit
+    assert min(ops.quant_max_rows.values()) >= ops.fast_rows.limit
 
 
 def test_products_past_the_fast_rows_go_where_the_machine_chose(ops, monkeypatch):
@@ -357,9 +357,9 @@ def quantized_product(ops, fmt: str, w: torch.Tensor, bias: torch.Tensor):
 def test_a_prefill_slice_gets_the_numbers_of_its_rows_one_by_one(ops, fmt, rows, width):
     """Up to the build's fast rows ("fast": all of them) the builds multiply quantized weights in
     integers, by whichever kernel suits the row count (AVX-512 VNNI and AVX-VNNI: an outer-product
-    one from 8 rows, which at 16,384 wide takes the rows in two panels): the same quantized
-    activations and exact integer sums as a decode's, so a prompt slice and the same tokens decoded
-    one at a time agree to float rounding. AVX2's int8 from pd_u8_dequant_rows() on multiplies fp32
+    one from 8 rows, which at 16,384 wide takes the rows in two panels; AVX2 the same for int4):
+    the same quantized activations and exact integer sums as a decode's, so a prompt slice and the
+    same tokens decoded one at a time agree to float rounding. AVX2's int8 from pd_u8_dequant_rows() on multiplies fp32
     activations instead (its integer product is slower than fp32 there): exact to fp32, the decode
     within its ~1e-5."""
     rows = ops.fast_rows.limit if rows == "fast" else rows
@@ -381,14 +381,14 @@ def test_a_prefill_slice_gets_the_numbers_of_its_rows_one_by_one(ops, fmt, rows,
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_a_whole_prompt_in_integers_gets_the_numbers_of_its_rows_one_by_one(ops, fmt):
-    """Where a build multiplies whole prompts in integers (pd_quant_max_rows: the VNNI ones), its
-    tiles go by panels of activation rows, blocks of 64 weight rows and chunks of 512 bytes of K,
-    with the sums kept between chunks. 150 rows (panels of 32 int8 rows at this width, 96 int4),
+    """Where a build multiplies whole prompts in integers (pd_quant_max_rows: the VNNI ones, and
+    AVX2's int4), its tiles go by panels of activation rows, blocks of 64 weight rows and chunks of
+    512 bytes of K, with the sums kept between chunks. 150 rows (panels of 32 int8 rows at this width, 96 int4),
     133 weight rows (three blocks, the last with a ragged tile: one thread takes them all) and a
     width of 4,160 (eight chunks and a short one) still give every row what it gets decoded
     alone."""
     rows, width, out_rows = 150, 4160, 133
-    if ops.quant_max_rows < rows:
+    if ops.quant_max_rows[fmt] < rows:
         pytest.skip("this build multiplies long prompts on weights unpacked for BLAS (the next test)")
     w = rand(out_rows, width, seed=31) * torch.linspace(0.1, 2, out_rows)[:, None] * 0.05
     x, bias = rand(rows, width, seed=32), rand(out_rows, seed=33)
@@ -406,7 +406,7 @@ def test_a_whole_prompt_in_integers_gets_the_numbers_of_its_rows_one_by_one(ops,
 @pytest.mark.parametrize("slice_rows", [None, 7])          # None: one slice; 7: eleven and a ragged end
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_prefill_sized_quantized_products_unpack_to_blas_slice_by_slice(ops, fmt, slice_rows, monkeypatch):
-    limit = ops.quant_max_rows
+    limit = ops.quant_max_rows[fmt]
     if limit >= 1 << 20:
         pytest.skip(f"this build multiplies {fmt} weights in integers at every row count (pd_quant_max_rows)")
     if slice_rows is not None:
