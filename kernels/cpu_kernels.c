@@ -19,7 +19,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <unistd.h>
 
 #define PD_INT8_PORTABLE 0
 #define PD_INT8_AVX2 1
@@ -600,37 +599,15 @@ static void outer_rows(const void *p, int lo, int hi) {
     }
 }
 
-/* The activation rows of one pass of outer_product: at most FAST_ROWS, and at most what keeps the
- * transposed rows within half of a core's L2 (beside the weights; every weight block reads them
- * all), in passes of equal size by whole vectors. On a 2-core AMD EPYC (Zen 3, 512 KB of L2 a
- * core, 2026-12-03) 128 rows of the default model's 576 x 1,536 down projection, one thread, ran
- * at 33 G multiply-adds a second in one pass (768 KB of rows), 43-44 in passes of 32 rows (at most
- * 192 or 256 KB), 32 in passes of 64 (384 KB); its 30 layers' products of 128 rows, both threads,
- * took 4-9% less time, 64 and 96 rows the same. */
-static int outer_pass_rows(int M, int K) {
-    static int64_t budget;
-    if (!budget) {
-        long l2 = 0;
-#ifdef _SC_LEVEL2_CACHE_SIZE
-        l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-#endif
-        budget = (l2 > 0 ? l2 : 512 << 10) / 2;      /* not known: Zen 3's */
-    }
-    int fit = (int)(budget / (4 * (int64_t)K)) & ~7;
-    int most = fit < 16 ? 16 : fit < FAST_ROWS ? fit : FAST_ROWS;
-    int passes = (M + most - 1) / most, rows = ((M + passes - 1) / passes + 7) & ~7;
-    return rows < M ? rows : M;
-}
-
 /* y = x @ W^T + bias in outer-product form, W fp32 (w), int8 (u8 and its row scales) or exact blocks
- * (q8 and its block scales), by passes of outer_pass_rows activation rows: past them the
- * transposed rows outgrow L2 and every weight block re-reads them from further out. On a 2-core AMD EPYC (Zen 5,
+ * (q8 and its block scales), FAST_ROWS activation rows at a time: past them the transposed rows
+ * outgrow L2 and every weight block re-reads them from further out. On a 2-core AMD EPYC (Zen 5,
  * AVX-512, 2026-12-02) the default model's products of 1,728 rows ran at 240-360 GF/s by 48 rows,
  * 230-320 all at once; MKL there, 140-170. Each row's sums are the same whatever its chunk.
  * Returns -1 if out of memory. */
 static int outer_product(const float *x, const float *w, const uint8_t *u8, const int8_t *q8, const float *scales,
                          const float *bias, float *y, int M, int N, int K, int threads) {
-    int rows = outer_pass_rows(M, K), failed = 0;
+    int rows = M < FAST_ROWS ? M : FAST_ROWS, failed = 0;
     float *xt = malloc(sizeof(float) * (size_t)K * PADDED_ROWS(rows));
     if (!xt) return -1;
     int chunk = (N / (4 * threads) + OUTER_W - 1) / OUTER_W * OUTER_W;

@@ -152,20 +152,6 @@ def test_a_row_gets_the_same_sums_whatever_strips_its_product_takes(ops):
         assert torch.equal(ops.linear(x[:rows], w, b), whole[:rows]), rows
 
 
-
-def test_rows_too_wide_for_l2_go_in_passes_with_the_same_sums(ops):
-    """A product whose transposed rows would outgrow half of L2 takes them in passes of equal size
-    (outer_pass_rows in cpu_kernels.c): rows 8,192 wide are 32 KB each, so at most a few dozen a
-    pass on any L2 below 4 MB; each row keeps the sums it gets in a product of a few rows (from the
-    strips' first, 5 at most) and the exact product's value."""
-    rows = ops.fast_rows.limit
-    x, w, b = rand(rows, 8192), rand(23, 8192, seed=1), rand(23, seed=2)
-    whole = ops.linear(x, w, b)
-    for n in (5, 9, 33, rows):
-        assert torch.equal(ops.linear(x[:n], w, b), whole[:n]), n
-    exact = x.double() @ w.double().T + b.double()
-    assert (whole.double() - exact).abs().max() < 1e-5 * exact.abs().max()
-
 def test_the_fast_rows_follow_the_build(ops):
     """One C call up to 48 rows with AVX-512 (three vectors of 16) and on targets not measured,
     144 on x86 builds of 256-bit vectors, where BLAS at a few dozen rows was far slower (README);
