@@ -905,14 +905,15 @@ static void u8_rows(const void *p, int lo, int hi) {
 /* From how many rows int8 (U8_OUTER_MIN_ROWS) and int4 (Q4_OUTER_MIN_ROWS) products run in the
  * integer outer-product form (int_outer, below). On the VNNI paths, 8: at 8 rows (AVX-512, both
  * models) int8 1.2-2.8x the dot kernel, int4 0.76-1.8x. AVX2 takes int4 only (DPBUSD there says
- * why), also from 8: the default model's 30 layers of products (2-core AMD EPYC, Zen 3, weights
- * from memory, best of 5, 2026-12-03) took 13.3-14.4 ms at 4-8 rows that way, by the dot kernel
- * 9.1 at 4, 12.7-14.6 at 6, 14.3 at 7, 15.8 at 8, 23.4 at 12 and 31.9 at 16 (outer: 21.8, 23.6). */
+ * why), from 6: the default model's 30 layers of products (2-core AMD EPYC, Zen 3, weights from
+ * memory, best of 5, 2026-12-03, two alternating runs) took 11.3-12.7 ms at 4-7 rows that way, by
+ * the dot kernel 8.2-9.3 at 4, 11.9-12.2 at 5, 14.7-14.8 at 6, 14.2-16.4 at 7 (and before the
+ * tiles' two-words loop 15.8 at 8, 23.4 at 12 and 28-32 at 16, where they took 14, 22 and 24). */
 #if PDCHAT_INT8_PATH == PD_INT8_AVX512VNNI || PDCHAT_INT8_PATH == PD_INT8_AVXVNNI
 #define U8_OUTER_MIN_ROWS 8
 #define Q4_OUTER_MIN_ROWS 8
 #elif PDCHAT_INT8_PATH == PD_INT8_AVX2
-#define Q4_OUTER_MIN_ROWS 8
+#define Q4_OUTER_MIN_ROWS 6
 #endif
 #ifdef Q4_OUTER_MIN_ROWS
 enum { OUTER_U8, OUTER_Q4 };   /* the weights of an int_outer call */

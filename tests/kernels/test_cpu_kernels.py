@@ -352,12 +352,12 @@ def quantized_product(ops, fmt: str, w: torch.Tensor, bias: torch.Tensor):
     return (lambda v: ops.linear_int4(v, packed, params, bias)), packed, params
 
 
-@pytest.mark.parametrize("rows,width", [(8, 320), (17, 320), ("fast", 320), ("fast", 16384)])
+@pytest.mark.parametrize("rows,width", [(6, 320), (8, 320), (17, 320), ("fast", 320), ("fast", 16384)])
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_a_prefill_slice_gets_the_numbers_of_its_rows_one_by_one(ops, fmt, rows, width):
     """Up to the build's fast rows ("fast": all of them) the builds multiply quantized weights in
     integers, by whichever kernel suits the row count (AVX-512 VNNI and AVX-VNNI: an outer-product
-    one from 8 rows, which at 16,384 wide takes the rows in two panels; AVX2 the same for int4):
+    one from 8 rows, which at 16,384 wide takes the rows in two panels; AVX2's int4 from 6):
     the same quantized activations and exact integer sums as a decode's, so a prompt slice and the
     same tokens decoded one at a time agree to float rounding. AVX2's int8 from pd_u8_dequant_rows() on multiplies fp32
     activations instead (its integer product is slower than fp32 there): exact to fp32, the decode
