@@ -569,14 +569,14 @@ static void span_store(const struct outer_job *j, int s0, int s1, const float *p
             for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(part + (int64_t)(n - n0 + i) * MP + m0);
             transpose_8x8(r);
             for (int i = 0; i < 8 && m0 + i < j->M; i++)
-                _mm256_storeu_ps(j->y + (int64_t)(m0 + i) * j->N + n, _mm256_fmadd_ps(r[i], scale, b));
+                _mm256_storeu_ps(j->y + (int64_t)(m0 + i) * j->N + n, _mm256_add_ps(_mm256_mul_ps(r[i], scale), b));
         }
     n0 += (s1 - n0) & ~7;
 #endif
     for (int m = 0; m < j->M; m++)
         for (int n = n0; n < s1; n++)
-            j->y[(int64_t)m * j->N + n] = __builtin_fmaf(part[(int64_t)(n - s0) * MP + m], j->u8 ? j->scales[n] : 1.f,
-                                                         j->bias ? j->bias[n] : 0.f);
+            j->y[(int64_t)m * j->N + n] = part[(int64_t)(n - s0) * MP + m] * (j->u8 ? j->scales[n] : 1.f)
+                                          + (j->bias ? j->bias[n] : 0.f);
 }
 
 /* Weight rows of a span: their sums wait in the thread's part for span_store (16 KB at 32 rows
@@ -1388,7 +1388,7 @@ void pd_unpack_q4(const uint8_t *w, const uint16_t *params, float *out, int N, i
     parallel_rows(q4_unpack_rows, &job, N, row_chunk(N, threads), threads);
 }
 
-/* ---- Integer products in outer-product form: prefills and batches of 8 rows and more ---------
+/* ---- Integer products in outer-product form: prefills and batches from 6-8 rows on -----------
  * The dot-product kernels above convert and scale each (weight row, activation row, block) sum on
  * its own: about 9 multiply-adds an instruction against fp32's 16, and a 32-token prompt ran at
  * 0.73x fp32's speed in int8 (default model, 0.51x on the 1B shape). Here the activations are
@@ -1653,7 +1653,8 @@ U8_OUTER_TILE(1, 2)
             /* two words a pass: unrolled whole, GCC summed the group's products in another     \
              * order and spilled them; by the group's bounds, a loop's counters each pass. Two   \
              * (AVX2, Zen 3, 2026-12-03, one thread, two shapes at 16-128 rows): 57-70 G         \
-             * multiply-adds a second, against 45-56 before and 36-52 unrolled whole. */         \
+             * multiply-adds a second, against 45-56 before and 36-52 unrolled whole (the VNNI  \
+             * builds' dpbusd tiles take the same loop, not measured there). */                  \
             _Pragma("GCC unroll 2") for (int i = 0; i < WORDS(Q4_GROUP); i++) {                \
                 ivec xw[V];                                                                        \
                 for (int v = 0; v < V; v++) xw[v] = I_LOAD(qg + ((int64_t)v * WORDS(K) + i) * OUTER_LANES); \
