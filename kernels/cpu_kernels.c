@@ -904,7 +904,7 @@ static void u8_rows(const void *p, int lo, int hi) {
 
 /* From how many rows int8 (U8_OUTER_MIN_ROWS) and int4 (Q4_OUTER_MIN_ROWS) products run in the
  * integer outer-product form (int_outer, below). On the VNNI paths, 8: at 8 rows (AVX-512, both
- * models) int8 1.2-2.8x the dot kernel, int4 0.76-1.8x. AVX2 takes int4 only (DPBUSD there says
+ * models) int8 1.2-2.8x the dot kernel, int4 0.76-1.8x. AVX2 takes int4 only (Q4_GROUP_ADD there says
  * why), from 6: the default model's 30 layers of products (2-core AMD EPYC, Zen 3, weights from
  * memory, best of 5, 2026-12-03, two alternating runs) took 11.3-12.7 ms at 4-7 rows that way, by
  * the dot kernel 8.2-9.3 at 4, 11.9-12.2 at 5, 14.7-14.8 at 6, 14.2-16.4 at 7 (and before the
@@ -1426,15 +1426,13 @@ typedef __m256 fvec;
 #if PDCHAT_INT8_PATH == PD_INT8_AVXVNNI
 #define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
 #else
-/* dpbusd as AVX2 has it: maddubs adds two u8 x s8 products into an int16, which holds them exactly
+/* AVX2 has no dpbusd; maddubs adds two u8 x s8 products into an int16, which holds them exactly
  * only while they stay within it. int4's weights (0..15) against activations of at most 127 make
- * at most 3,810: the same sums as dpbusd. int8's stored weights (q + 128, up to 255) would
- * saturate, so AVX2's int8 rows take the fp32 kernel instead (AVX2_U8_DEQUANT_ROWS). */
-#define DPBUSD(acc, u, s) \
-    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
-/* int4's group of 32: its 8 words' maddubs pairs add up in int16 (8 x 3,810 < 32,767), widened
- * once a group: the 30 layers' int4 products (Zen 3, 2026-12-03, three alternating runs) took
- * 1-9% less time at 16, 32 and 128 rows than with a widening per word. */
+ * at most 3,810 a pair, and a group of 32's 8 words add up in int16 (16 products a lane, at most
+ * 30,480), widened once a group: dpbusd's sums. The 30 layers' int4 products (Zen 3, 2026-12-03,
+ * three alternating runs) took 1-9% less time at 16, 32 and 128 rows than with a widening per
+ * word. int8's stored weights (q + 128, up to 255) would saturate it, so AVX2's int8 rows take the
+ * fp32 kernel instead (AVX2_U8_DEQUANT_ROWS) and the int8 tiles are not built. */
 #define Q4_GROUP_ADD(acc, u, s) _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s))
 #define Q4_GROUP_SUM(acc) _mm256_madd_epi16(acc, _mm256_set1_epi16(1))
 _Static_assert(Q4_GROUP / 2 * 15 * 127 <= 32767, "a group's int4 products fit an int16");

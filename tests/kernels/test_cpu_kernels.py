@@ -359,9 +359,9 @@ def test_a_prefill_slice_gets_the_numbers_of_its_rows_one_by_one(ops, fmt, rows,
     integers, by whichever kernel suits the row count (AVX-512 VNNI and AVX-VNNI: an outer-product
     one from 8 rows, which at 16,384 wide takes the rows in two panels; AVX2's int4 from 6):
     the same quantized activations and exact integer sums as a decode's, so a prompt slice and the
-    same tokens decoded one at a time agree to float rounding. AVX2's int8 from pd_u8_dequant_rows() on multiplies fp32
-    activations instead (its integer product is slower than fp32 there): exact to fp32, the decode
-    within its ~1e-5."""
+    same tokens decoded one at a time agree to float rounding. AVX2's int8 from pd_u8_dequant_rows()
+    on multiplies fp32 activations instead (its integer product is slower than fp32 there): exact to
+    fp32, the decode within its ~1e-5."""
     rows = ops.fast_rows.limit if rows == "fast" else rows
     w = rand(37, width, seed=21) * torch.linspace(0.1, 2, 37)[:, None] * 0.05    # 37: a ragged tile
     x, bias = rand(rows, width, seed=22), rand(37, seed=23)
@@ -383,10 +383,10 @@ def test_a_prefill_slice_gets_the_numbers_of_its_rows_one_by_one(ops, fmt, rows,
 def test_a_whole_prompt_in_integers_gets_the_numbers_of_its_rows_one_by_one(ops, fmt):
     """Where a build multiplies whole prompts in integers (pd_quant_max_rows: the VNNI ones, and
     AVX2's int4), its tiles go by panels of activation rows, blocks of 64 weight rows and chunks of
-    512 bytes of K, with the sums kept between chunks. 150 rows (panels of 32 int8 rows at this width, 96 int4),
-    133 weight rows (three blocks, the last with a ragged tile: one thread takes them all) and a
-    width of 4,160 (eight chunks and a short one) still give every row what it gets decoded
-    alone."""
+    512 bytes of K, with the sums kept between chunks. 150 rows (panels of 32 int8 rows at this
+    width, 96 int4), 133 weight rows (three blocks, the last with a ragged tile: one thread takes
+    them all) and a width of 4,160 (eight chunks and a short one) still give every row what it gets
+    decoded alone."""
     rows, width, out_rows = 150, 4160, 133
     if ops.quant_max_rows[fmt] < rows:
         pytest.skip("this build multiplies long prompts on weights unpacked for BLAS (the next test)")
