@@ -161,7 +161,7 @@ def place_weights(loaded: LoadedModel, device: torch.device, dtype: torch.dtype,
             layer.weight = None
             return
         placed = tensor.to(device, dtype)
-        if not (layer is not None and owner in quant.OUTSIDE_LAYERS and layer.hold_exact(placed)):
+        if not (layer is not None and layer.hold_exact(placed)):
             setattr(model.get_submodule(owner), attr, nn.Parameter(placed, requires_grad=False))
 
     state = load_hf_state_dict(files, device, dtype, loaded.seed)

@@ -199,7 +199,7 @@ class Transformer(nn.Module):
         return h
 
     def _head_weights(self, max_positions: int) -> HeadWeights | None:
-        """None when the embedding has no full-precision weight (held quantized or in exact int8
+        """None when the embedding has no full-precision weight (held quantized or in exact
         blocks: its rows are then rebuilt op by op)."""
         embed = self.embed.weight
         if embed is None:

@@ -76,17 +76,17 @@ class QuantPayoff:
     """Decode-only step times per weight mode and batch size. After a switch, once both modes
     have QUANT_STEPS steps at one batch size, one verdict: when the new quantized mode is not
     QUANT_GAIN x faster than the old one (a CPU whose integer products are no faster than its
-    fp32 ones), why it helps memory but not speed. Quantization is not turned off: it still
-    holds the model in a quarter or less of the memory."""
+    fp32 ones), why it helps memory but not speed, or neither (full precision held in exact blocks
+    can take fewer bytes than int8). Quantization is not turned off: that is the user's choice."""
 
     def __init__(self) -> None:
         self._times: dict[tuple[str, int], deque[float]] = defaultdict(lambda: deque(maxlen=QUANT_WINDOW))
-        self._pending: tuple[str, str, str] | None = None     # (old mode, new mode, memory in words)
+        self._pending: tuple[str, str, int, int] | None = None     # (old mode, new mode, bytes before, after)
 
-    def switched(self, old: str, new: str | None, memory: str) -> None:
+    def switched(self, old: str, new: str | None, bytes_before: int, bytes_after: int) -> None:
         """The weights went from `old` to quantized `new` (None: to full precision, nothing to
-        weigh); memory: what the switch saved, in words."""
-        self._pending = (old, new, memory) if new is not None else None
+        weigh), the model holding bytes_before and then bytes_after."""
+        self._pending = (old, new, bytes_before, bytes_after) if new is not None else None
 
     def record(self, mode: str, requests: int, seconds: float) -> str | None:
         """One decode-only step without drafts; returns the verdict once it is measured and
@@ -94,7 +94,7 @@ class QuantPayoff:
         self._times[(mode, requests)].append(seconds)
         if self._pending is None or self._pending[1] != mode:
             return None
-        old, new, memory = self._pending
+        old, new, bytes_before, bytes_after = self._pending
         before, after = self._times[(old, requests)], self._times[(new, requests)]
         if len(before) < QUANT_STEPS or len(after) < QUANT_STEPS:
             return None
@@ -102,6 +102,11 @@ class QuantPayoff:
         gain = median(before) / median(after)
         if gain >= QUANT_GAIN:
             return None
-        return (f"{new} weights decode at {gain:.2f}x the speed of {old} on this machine ({len(after)} steps "
-                f"at batch {requests}): this CPU's integer products are no faster than its float ones, so "
-                f"{new} saves memory ({memory}), not time")
+        said = (f"{new} weights decode at {gain:.2f}x the speed of {old} on this machine ({len(after)} steps "
+                f"at batch {requests})")
+        memory = f"{bytes_before / 1e6:,.0f} -> {bytes_after / 1e6:,.0f} MB of weights"
+        if bytes_after < bytes_before:
+            return (f"{said}: this CPU's integer products are no faster than its float ones, so {new} saves "
+                    f"memory ({memory}), not time")
+        return (f"{said} and hold no less memory ({memory}: this model's {old} weights are stored in "
+                f"fewer bytes), so {new} saves neither time nor memory here")

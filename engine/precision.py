@@ -62,7 +62,7 @@ class WeightPrecision:
         self._measure()
         if mode != old:
             self.payoff.switched(self.label(old), self.label(mode) if mode != "none" else None,
-                                 f"{before / 1e6:,.0f} -> {self.resident_bytes / 1e6:,.0f} MB of weights")
+                                 before, self.resident_bytes)
         return mode
 
     def label(self, mode: str) -> str:

@@ -9,10 +9,12 @@ reads it (loader.py), so a quantized model never holds its full-precision weight
 precision at run time reads the checkpoint again (precision.py). The one exception is the int8
 self-draft, which runs int8 copies made beside the full-precision weights the target verifies with.
 
-Full precision has one more form, lossless: a matrix outside the layers whose every 32 weights of
-a row are one scale times integers in -127..127 (a GGUF Q8_0 matrix read as fp32: the default
-model's embedding and tied LM head) is held as those integers and scales (EXACT, hold_exact): the
-same numbers, the same products bit for bit, a quarter of the bytes to read each decode step.
+Full precision has two more forms, lossless (hold_exact): a matrix whose every 32 weights of a row
+are d * u + m with u in 0..15 (a GGUF Q4_1 matrix read as fp32: every layer matrix of the default
+model) is held as its nibbles and (d, m) (EXACT_Q4, 0.75 bytes a weight), and one whose every 32
+weights are one scale times integers in -127..127 (a GGUF Q8_0 matrix: the default model's
+embedding and tied LM head) as those integers and scales (EXACT_INT8, a quarter of fp32's bytes).
+The same numbers and the same products bit for bit, from fewer bytes to read each decode step.
 """
 from __future__ import annotations
 
@@ -30,9 +32,8 @@ from .model_source import ModelFiles
 from .paths import cache_dir, models_dir
 
 FORMATS = ("int8", "int4")          # quantized weight formats; "none" runs the load dtype
-EXACT = "exact-int8"                # "none"'s fp32 matrix held in exact int8 blocks (reference.py)
-# Matrices that may be held in exact blocks: those the layers' one-call forward does not read.
-OUTSIDE_LAYERS = ("embed", "lm_head")
+EXACT_INT8 = "exact-int8"           # "none"'s fp32 matrix held in exact int8 blocks (reference.py)
+EXACT_Q4 = "exact-q4"               # ... in exact Q4 blocks (reference.py)
 INT4_GROUP = reference.INT4_GROUP
 INT4_WIDTH = 64                     # int4 matrices' widths are multiples of this (the kernels' unit)
 QUANT_ROWS = 4096
@@ -97,15 +98,15 @@ def fits(fmt: str, weight: torch.Tensor) -> bool:
 
 class Quantized(NamedTuple):
     """A matrix's quantized weights as the backend stores them."""
-    fmt: str                 # int8 | int4 | exact-int8
-    weight: torch.Tensor     # int8: packed by the backend; int4: packed nibbles; exact: int8
-    scales: torch.Tensor     # int8: per row; int4: bf16 (d, m) per group; exact: per 32
+    fmt: str                 # int8 | int4 | exact-int8 | exact-q4
+    weight: torch.Tensor     # int8: packed by the backend; int4, exact-q4: packed nibbles; exact-int8: int8
+    scales: torch.Tensor     # int8: per row; int4: bf16 (d, m) per group; exact-int8: per 32; exact-q4: fp32 (d, m)
 
 
 class QuantLinear(nn.Module):
     """A linear layer whose weight is held in full precision, quantized, or (int8 self-draft)
     both. `quantized` maps a mode (the switch's) to the weights that mode runs; under "none", a
-    full-precision matrix held in exact int8 blocks (hold_exact), with no `weight` beside it."""
+    full-precision matrix held in exact blocks (hold_exact), with no `weight` beside it."""
 
     def __init__(self, linear: nn.Linear | None, switch: QuantSwitch, dtype: torch.dtype,
                  weight: torch.Tensor | None = None):
@@ -133,16 +134,18 @@ class QuantLinear(nn.Module):
         self.adopt(mode, QUANTIZERS[self.format_for(mode)](weight.to(device)), device)
 
     def hold_exact(self, weight: torch.Tensor) -> bool:
-        """Hold a full-precision weight as exact int8 blocks, if the backend finds it has that form
-        (a GGUF Q8_0 matrix read as fp32): the same products from a quarter of the bytes, for every
-        mode that has no form of its own."""
-        found = self.switch.ops.exact_int8_blocks(weight)
-        if found is None:
-            return False
-        self.quantized["none"] = Quantized(EXACT, *found)
-        self.weight = None
-        self.switch.version += 1
-        return True
+        """Hold a full-precision weight in exact blocks, if the backend finds it has one of their
+        forms (Q4 tried first: fewer bytes): the same products from fewer bytes, for every mode
+        that has no form of its own."""
+        ops = self.switch.ops
+        for fmt, find in ((EXACT_Q4, ops.exact_q4_blocks), (EXACT_INT8, ops.exact_int8_blocks)):
+            found = find(weight)
+            if found is not None:
+                self.quantized["none"] = Quantized(fmt, *found)
+                self.weight = None
+                self.switch.version += 1
+                return True
+        return False
 
     @property
     def full_precision(self) -> bool:
@@ -155,7 +158,7 @@ class QuantLinear(nn.Module):
         exact = self.quantized.get("none")
         if self.weight is not None or exact is None:
             return self.weight
-        return reference.dequantize_exact_int8(exact.weight, exact.scales)
+        return dequantize_exact(*exact)
 
     def running(self) -> Quantized | None:
         """The stored form the next forward multiplies by: the switch mode's, else the exact blocks
@@ -184,9 +187,18 @@ class QuantLinear(nn.Module):
             return ops.linear(x, self.weight, self.bias)
         if got.fmt == "int4":
             return ops.linear_int4(x, got.weight, got.scales, self.bias)
-        if got.fmt == EXACT:
+        if got.fmt == EXACT_INT8:
             return ops.linear_exact_int8(x, got.weight, got.scales, self.bias)
+        if got.fmt == EXACT_Q4:
+            return ops.linear_exact_q4(x, got.weight, got.scales, self.bias)
         return ops.linear_int8(x, got.weight, got.scales, self.bias)
+
+
+def dequantize_exact(fmt: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The fp32 weights (rows of them) of a matrix held in exact blocks of either form."""
+    if fmt == EXACT_Q4:
+        return reference.dequantize_exact_q4(a, b)
+    return reference.dequantize_exact_int8(a, b)
 
 
 class QuantEmbedding(QuantLinear):
@@ -205,8 +217,8 @@ class QuantEmbedding(QuantLinear):
         fmt, a, b = self.running() or next(iter(self.quantized.values()))
         if fmt == "int4":
             return reference.dequantize_int4(a[ids], b[ids], self.dtype)
-        if fmt == EXACT:
-            return reference.dequantize_exact_int8(a[ids], b[ids])
+        if fmt in (EXACT_INT8, EXACT_Q4):
+            return dequantize_exact(fmt, a[ids], b[ids])
         q, s = self.switch.ops.unpack_int8(a[ids], b[ids])
         return q.to(self.dtype) * s.to(self.dtype)[:, None]
 

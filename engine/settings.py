@@ -201,7 +201,9 @@ SETTINGS: tuple[Setting, ...] = (
                  "in decode steps; higher = newcomers start sooner, streams stall longer"),
     Setting("quant", ENGINE, str, "none", choices=("none", "int8", "int4"), runtime=True, toggle=True,
             group="optimizations", label="quantization",
-            help="weight-only int8 or int4 (groups of 32): about 1/4 or 1/6 of fp32's bytes per token"),
+            help="weight-only int8 or int4 (groups of 32): about 1/4 or 1/6 of fp32's bytes per token; "
+                 "none keeps weights that are Q4_1 or Q8_0 blocks read as fp32 (the default model's) "
+                 "in those blocks, the same numbers"),
     Setting("spec", ENGINE, str, "off", choices=("off", "ngram", "draft"), runtime=True, toggle=True,
             group="optimizations", label="speculative",
             help="guess tokens cheaply, check them in one forward: ngram = copy from the context, "

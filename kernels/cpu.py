@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from . import cpu_products, reference
-from .cpu_products import WEIGHTS_INT4, WEIGHTS_INT8, CpuProducts
+from .cpu_products import CpuProducts, weight_columns, weight_format
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 HEADERS = (Path(__file__).with_name("cpu_pool.h"),)
@@ -179,6 +179,9 @@ _SIGNATURES = {
     "pd_linear_u8": ([_P, _P, _P, _P, _P, _I, _I, _I, _I], _I),
     "pd_exact_int8_blocks": ([_P, _L, _I, _P, _P], _I),
     "pd_linear_exact_int8": ([_P, _P, _P, _P, _P, _I, _I, _I, _I], _I),
+    "pd_exact_q4_blocks": ([_P, _L, _I, _P, _P, _I], _I),
+    "pd_linear_exact_q4": ([_P, _P, _P, _P, _P, _I, _I, _I, _I], _I),
+    "pd_unpack_exact_q4": ([_P, _P, _P, _I, _I, _I], None),
     "pd_linear_q4": ([_P, _P, _P, _P, _P, _I, _I, _I, _I], _I),
     "pd_unpack_q4": ([_P, _P, _P, _I, _I, _I], None),
     "pd_unpack_u8": ([_P, _P, _P, _I, _I, _I], None),
@@ -355,33 +358,36 @@ class CpuKernels(CpuProducts):
     def prepare_layers(self, layers: list, num_heads: int, num_kv_heads: int, head_dim: int,
                        eps: float) -> LayerPlan | None:
         """The pointer table of pd_layers (PTRS_PER_LAYER per layer, in model.LayerWeights order), or
-        None where the C code does not cover the weights (not fp32, int8 not packed as u8)."""
+        None where the C code does not cover the weights (another dtype, int8 not packed as u8)."""
+        # each matrix's stored form (PD_WEIGHTS_*), which may differ between matrices: a model held
+        # exactly where its weights have the form and in fp32 elsewhere
+        formats: list[int] = []
+        for layer in layers:
+            for weights in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                fmt = weight_format(*weights[:2])
+                if fmt is None:
+                    return None
+                formats.append(fmt)
         first = layers[0]
-        # pd_layers' format of the quantized weights (PD_WEIGHTS_*): int8 (a scale per row, 1-D) or
-        # int4 (bf16 params per group, 3-D); a linear without scales is fp32 whatever the others are.
-        linears = (first.qkv, first.o, first.gate_up, first.down)
-        int4 = [w[1] is not None and w[1].dim() == 3 for w in linears]
-        fmt = WEIGHTS_INT4 if any(int4) else WEIGHTS_INT8 if any(w[1] is not None for w in linears) else 0
-        inter = first.down[0].shape[1] * (2 if int4[3] else 1)
-        dims = (len(layers), first.norm_mlp.shape[0], num_heads, num_kv_heads, head_dim, inter, fmt)
+        inter = weight_columns(first.down[0], formats[3])
+        dims = (len(layers), first.norm_mlp.shape[0], num_heads, num_kv_heads, head_dim, inter, *formats)
         tensors: list[torch.Tensor] = []
         ptrs: list[int | None] = []
         for layer in layers:
             for part in layer:
-                for t in (part if isinstance(part, tuple) else (part,)):
+                linear = isinstance(part, tuple)      # (weight, scales, bias): forms told above
+                for i, t in enumerate(part if linear else (part,)):
                     if t is None:
                         ptrs.append(None)
                         continue
-                    packed = t.dtype == torch.uint8 and t.dim() == 2
-                    int4_params = t.dtype == torch.bfloat16 and t.dim() == 3
-                    if not ((packed or int4_params or t.dtype == torch.float32) and t.is_cpu and t.is_contiguous()):
+                    if not (t.is_cpu and t.is_contiguous()) or (i == 2 or not linear) and t.dtype != torch.float32:
                         return None
                     tensors.append(t)
                     ptrs.append(t.data_ptr())
         if len(ptrs) != PTRS_PER_LAYER * len(layers):    # the C side reads a fixed table
             raise ValueError(f"pd_layers takes {PTRS_PER_LAYER} tensors per layer, got {len(ptrs) // len(layers)}")
-        return LayerPlan((ctypes.c_int * 7)(*dims), eps, (ctypes.c_void_p * len(ptrs))(*ptrs), tuple(tensors),
-                         head_dim)
+        return LayerPlan((ctypes.c_int * len(dims))(*dims), eps, (ctypes.c_void_p * len(ptrs))(*ptrs),
+                         tuple(tensors), head_dim)
 
     def run_layers(self, plan: LayerPlan | None, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, batch) -> bool:

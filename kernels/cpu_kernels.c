@@ -154,6 +154,77 @@ int pd_exact_int8_blocks(const float *w, int64_t N, int K, int8_t *q, float *s) 
     return 1;
 }
 
+/* Exact Q4 blocks: an fp32 matrix whose every 32 weights of a row are d * u + m with u in 0..15,
+ * d * u exact in fp32 (so fused or not, the sum rounds once) and m the group's least weight (a
+ * GGUF Q4_1 matrix read as fp32: every layer matrix of the default model) is held as its nibbles,
+ * the int4 layout (byte i: weight i low, weight 16 + i high), and (d, m) per group in fp32: 0.75
+ * bytes a weight against fp32's 4, and the products rebuild each weight on the way, so their sums
+ * are the fp32 matrix's bit for bit. */
+#define Q4X_GROUP_BYTES (EXACT_BLOCK / 2)
+
+/* Whether group g (32 weights) is d * u + m for this d, its nibbles then written to q. */
+static int q4_group_as(const float *wg, float d, float m, uint8_t *q) {
+    uint8_t u[EXACT_BLOCK];
+    for (int i = 0; i < EXACT_BLOCK; i++) {
+        float r = d > 0.f ? rintf((wg[i] - m) / d) : 0.f;
+        float product = d * r, back = product + m;
+        /* (d * u not exact would round twice where a fused rebuild rounds once; -0 rebuilds as +0) */
+        if (!(r >= 0.f && r <= 15.f) || fmaf(d, r, -product) != 0.f || memcmp(&back, wg + i, sizeof back))
+            return 0;
+        u[i] = (uint8_t)r;
+    }
+    for (int i = 0; i < Q4X_GROUP_BYTES; i++) q[i] = (uint8_t)(u[i] | u[i + Q4X_GROUP_BYTES] << 4);
+    return 1;
+}
+
+/* The fp16 value nearest to v (ties to even) as a float, for v in fp16's normal range or 0. */
+static float nearest_fp16(float v) {
+    int e;
+    frexpf(v, &e);                            /* v = f * 2^e, f in [0.5, 1) */
+    float step = ldexpf(1.f, (e < -13 ? -13 : e) - 11);   /* 11 significant bits; subnormals' step below 2^-14 */
+    return rintf(v / step) * step;
+}
+
+struct q4x_find_job { const float *w; uint8_t *q; float *dm; int K; int *failed; };
+
+/* Rows [lo, hi) of a q4x_find_job, until a group without the form (any thread's). A Q4_1 group's d
+ * is fp16, its largest weight 15 d + m; (max - min) / 15 in fp32 lands within rounding of d, so d
+ * is tried as that value rounded to fp16, then as it is. A group of one value has d = 0. */
+static void q4x_find_rows(const void *p, int lo, int hi) {
+    const struct q4x_find_job *j = p;
+    int G = j->K / EXACT_BLOCK;
+    for (int64_t g = (int64_t)lo * G; g < (int64_t)hi * G; g++) {
+        if (g % G == 0 && __atomic_load_n(j->failed, __ATOMIC_RELAXED)) return;
+        const float *wg = j->w + g * EXACT_BLOCK;
+        float low = wg[0], high = wg[0];
+        for (int i = 1; i < EXACT_BLOCK; i++) {
+            low = wg[i] < low ? wg[i] : low;
+            high = wg[i] > high ? wg[i] : high;
+        }
+        float d = (high - low) / 15.f, d16 = nearest_fp16(d);
+        uint8_t *qg = j->q + g * Q4X_GROUP_BYTES;
+        if (isfinite(d) && isfinite(low) && q4_group_as(wg, d16, low, qg)) d = d16;
+        else if (!(isfinite(d) && isfinite(low) && q4_group_as(wg, d, low, qg))) {
+            __atomic_store_n(j->failed, 1, __ATOMIC_RELAXED);
+            return;
+        }
+        j->dm[2 * g] = d;
+        j->dm[2 * g + 1] = low;
+    }
+}
+
+/* q[N, K / 2] and dm[N, K / 32, 2] with each group's weights d * u + m bit for bit, if w has that
+ * form (K a multiple of 32), on the pool; returns 0 soon after a group that does not (q and dm are
+ * then partly written). The default model's 210 layer matrices (106 M weights) took 0.55 s on one
+ * thread and 0.27 s on two (2-core AMD EPYC, Zen 3, AVX2, 2026-12-03). */
+int pd_exact_q4_blocks(const float *w, int64_t N, int K, uint8_t *q, float *dm, int threads) {
+    if (K % EXACT_BLOCK || N > INT_MAX) return 0;
+    int failed = 0;
+    struct q4x_find_job job = {w, q, dm, K, &failed};
+    parallel_rows(q4x_find_rows, &job, (int)N, row_chunk((int)N, threads), threads);
+    return !failed;
+}
+
 /* ---- products for a few activation rows, one weight row at a time ------------------------------
  * Each output is a dot product in a fixed order: four vectors of 8 partial sums (k's product added
  * into lane k % 8 of vector (k % 32) / 8, k in order), the four vectors added pairwise and their
@@ -166,10 +237,14 @@ int pd_exact_int8_blocks(const float *w, int64_t N, int K, int8_t *q, float *s) 
 typedef float f32x8 __attribute__((vector_size(8 * sizeof(float))));
 #define FEW_MAX_ROWS 4      /* below OUTER_MIN_ROWS on every build */
 
+/* The forms of weights the fp32 products read: fp32 rows, or exact blocks rebuilt on the way. */
+enum { FORM_F32, FORM_Q8, FORM_Q4 };
+
 struct few_job {
-    const float *x, *w, *bias;       /* w: fp32 rows; NULL where q8 holds them */
-    const int8_t *q8;                /* exact blocks: the integers, and their scales in s8 */
-    const float *s8;
+    const float *x, *w, *bias;       /* w: fp32 rows; NULL where exact blocks hold them */
+    const int8_t *q8;                /* exact int8 blocks: the integers (scales: one per 32) */
+    const uint8_t *q4;               /* exact Q4 blocks: the nibbles (scales: (d, m) per 32) */
+    const float *scales;
     float *y;
     int M, N, K;
 };
@@ -191,11 +266,32 @@ INLINE f32x8 int8_as_floats(const int8_t *q) {
     return v;
 }
 
-/* Weights k..k+7 of row n as a vector (q8: rebuilt from its block's integers and scale). */
-INLINE f32x8 weights_8(const struct few_job *j, int64_t n, int k, const int q8) {
+/* 8 nibbles as floats: the low (shift 0) or high (shift 4) halves of 8 bytes. */
+INLINE f32x8 nibbles_as_floats(const uint8_t *b, const int shift) {
+    f32x8 v;
+#if defined(__AVX2__)
+    __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
+    __m256 f = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(wide, shift), _mm256_set1_epi32(15)));
+    memcpy(&v, &f, sizeof v);
+#else
+    for (int i = 0; i < 8; i++) v[i] = (float)((b[i] >> shift) & 15);
+#endif
+    return v;
+}
+
+/* Weights k..k+7 of row n as a vector (exact blocks: rebuilt from the block's integers and
+ * scale, or its nibbles and (d, m): in group order, weights 0-7 and 8-15 are the low nibbles of
+ * bytes 0-7 and 8-15, 16-31 the high ones). */
+INLINE f32x8 weights_8(const struct few_job *j, int64_t n, int k, const int form) {
     f32x8 w;
-    if (q8) {
-        w = int8_as_floats(j->q8 + n * j->K + k) * j->s8[n * (j->K / EXACT_BLOCK) + k / EXACT_BLOCK];
+    int64_t g = n * (j->K / EXACT_BLOCK) + k / EXACT_BLOCK;
+    if (form == FORM_Q8) {
+        w = int8_as_floats(j->q8 + n * j->K + k) * j->scales[g];
+    } else if (form == FORM_Q4) {
+        int i = k % EXACT_BLOCK;
+        const uint8_t *b = j->q4 + g * Q4X_GROUP_BYTES + i % Q4X_GROUP_BYTES;
+        f32x8 u = i < Q4X_GROUP_BYTES ? nibbles_as_floats(b, 0) : nibbles_as_floats(b, 4);
+        w = u * j->scales[2 * g] + j->scales[2 * g + 1];    /* (d * u exact: one rounding either way) */
     } else {
         memcpy(&w, j->w + n * j->K + k, sizeof w);
     }
@@ -206,25 +302,34 @@ INLINE f32x8 weights_8(const struct few_job *j, int64_t n, int k, const int q8) 
  * of a fp32 one's lines for the same arithmetic, and left to the hardware's prefetcher the default
  * model's LM head (49,152 rows of 576, caches flushed, two threads) read memory at 6-8 GB/s: 4.1-5.3
  * ms a decode row; 8 rows ahead 2.4 ms, 16 ahead 2.3 (2-core Intel Xeon, AVX-512, 2026-12-01). fp32
- * rows, near the memory's speed without it, gained within the noise at one row. */
+ * rows, near the memory's speed without it, gained within the noise at one row. Q4 blocks, fewer
+ * bytes still, fetch as far ahead. */
 #define Q8_AHEAD 8
 
-/* Weight rows [lo, hi) against M activation rows (M and q8 constants once inlined): each weight
+/* Fetch row n's exact blocks into L1 (form: FORM_Q8 or FORM_Q4). */
+INLINE void fetch_blocks(const struct few_job *j, int64_t n, const int form) {
+    int64_t K = j->K, G = K / EXACT_BLOCK;
+    if (form == FORM_Q8) {
+        for (int k = 0; k < K; k += 64) __builtin_prefetch(j->q8 + n * K + k, 0, INTO_L1);
+        __builtin_prefetch(j->scales + n * G, 0, INTO_L1);
+    } else {
+        for (int k = 0; k < K / 2; k += 64) __builtin_prefetch(j->q4 + n * (K / 2) + k, 0, INTO_L1);
+        for (int g = 0; g < 2 * G; g += 16) __builtin_prefetch(j->scales + n * 2 * G + g, 0, INTO_L1);
+    }
+}
+
+/* Weight rows [lo, hi) against M activation rows (M and form constants once inlined): each weight
  * row is read from memory once and serves every activation row from registers. */
-INLINE void few_rows_of(const struct few_job *j, int lo, int hi, const int M, const int q8) {
+INLINE void few_rows_of(const struct few_job *j, int lo, int hi, const int M, const int form) {
     int K = j->K, whole = K & ~31;
     for (int n = lo; n < hi; n++) {
-        if (q8 && n + Q8_AHEAD < j->N) {
-            int64_t ahead = n + Q8_AHEAD;
-            for (int k = 0; k < K; k += 64) __builtin_prefetch(j->q8 + ahead * K + k, 0, INTO_L1);
-            __builtin_prefetch(j->s8 + ahead * (K / EXACT_BLOCK), 0, INTO_L1);
-        }
+        if (form != FORM_F32 && n + Q8_AHEAD < j->N) fetch_blocks(j, n + Q8_AHEAD, form);
         f32x8 acc[FEW_MAX_ROWS][4];
         for (int m = 0; m < M; m++)
             for (int v = 0; v < 4; v++) acc[m][v] = (f32x8){0};
         for (int k = 0; k < whole; k += 32)
             for (int v = 0; v < 4; v++) {
-                f32x8 w = weights_8(j, n, k + 8 * v, q8);
+                f32x8 w = weights_8(j, n, k + 8 * v, form);
                 for (int m = 0; m < M; m++) {
                     f32x8 x;
                     memcpy(&x, j->x + (int64_t)m * K + k + 8 * v, sizeof x);
@@ -242,19 +347,20 @@ INLINE void few_rows_of(const struct few_job *j, int lo, int hi, const int M, co
 }
 
 /* (a copy of the loops for each count of rows and each form of weights) */
-INLINE void few_rows_by_count(const struct few_job *j, int lo, int hi, const int q8) {
+INLINE void few_rows_by_count(const struct few_job *j, int lo, int hi, const int form) {
     switch (j->M) {
-    case 1: few_rows_of(j, lo, hi, 1, q8); break;
-    case 2: few_rows_of(j, lo, hi, 2, q8); break;
-    case 3: few_rows_of(j, lo, hi, 3, q8); break;
-    default: few_rows_of(j, lo, hi, 4, q8);
+    case 1: few_rows_of(j, lo, hi, 1, form); break;
+    case 2: few_rows_of(j, lo, hi, 2, form); break;
+    case 3: few_rows_of(j, lo, hi, 3, form); break;
+    default: few_rows_of(j, lo, hi, 4, form);
     }
 }
 
 static void few_rows(const void *p, int lo, int hi) {
     const struct few_job *j = p;
-    if (j->q8) few_rows_by_count(j, lo, hi, 1);
-    else few_rows_by_count(j, lo, hi, 0);
+    if (j->q8) few_rows_by_count(j, lo, hi, FORM_Q8);
+    else if (j->q4) few_rows_by_count(j, lo, hi, FORM_Q4);
+    else few_rows_by_count(j, lo, hi, FORM_F32);
 }
 
 /* From OUTER_MIN_ROWS activation rows on, the product runs in outer-product form: x is copied
@@ -311,11 +417,12 @@ _Static_assert(FEW_MAX_ROWS >= OUTER_MIN_ROWS - 1, "few_rows_of takes every coun
 
 /* The weights of an outer job: fp32 rows (w), or rows that each block unpacks into a buffer of its
  * thread's first: int8 (u8: q + 128, one scale a row; AVX2's int8 prompt rows, below) or exact
- * blocks (q8, one scale per 32 weights). */
+ * blocks (q8, one scale per 32 weights; q4, (d, m) per 32). */
 struct outer_job {
     const float *xt, *w, *bias;
     const uint8_t *u8;
     const int8_t *q8;
+    const uint8_t *q4;
     const float *scales;
     float *y;
     int M, MP, N, K;
@@ -349,14 +456,28 @@ static void unpack_q8_row(const int8_t *q, const float *s, float *out, int K) {
         for (int k = k0; k < k0 + EXACT_BLOCK; k++) out[k] = s[k0 / EXACT_BLOCK] * (float)q[k];
 }
 
+/* One row of exact Q4 blocks as its fp32 weights. */
+static void unpack_q4x_row(const uint8_t *q, const float *dm, float *out, int K) {
+    for (int g = 0; g < K / EXACT_BLOCK; g++) {
+        const uint8_t *b = q + g * Q4X_GROUP_BYTES;
+        float d = dm[2 * g], m = dm[2 * g + 1], *o = out + g * EXACT_BLOCK;
+#pragma omp simd
+        for (int i = 0; i < Q4X_GROUP_BYTES; i++) {         /* (d * u exact: one rounding either way) */
+            o[i] = d * (float)(b[i] & 15) + m;
+            o[i + Q4X_GROUP_BYTES] = d * (float)(b[i] >> 4) + m;
+        }
+    }
+}
+
 /* The outer job's weight rows [n0, n0 + nw) as fp32: where they are, or unpacked into `into`. */
 static const float *weight_block(const struct outer_job *j, int n0, int nw, float *into) {
-    int64_t K = j->K;
+    int64_t K = j->K, G = K / EXACT_BLOCK;
     if (j->w) return j->w + n0 * K;
     for (int r = 0; r < nw; r++) {
         int64_t n = n0 + r;
         if (j->u8) unpack_u8_row(j->u8 + n * K, 1.f, into + r * K, j->K);    /* span_store scales */
-        else unpack_q8_row(j->q8 + n * K, j->scales + n * (K / EXACT_BLOCK), into + r * K, j->K);
+        else if (j->q8) unpack_q8_row(j->q8 + n * K, j->scales + n * G, into + r * K, j->K);
+        else unpack_q4x_row(j->q4 + n * (K / 2), j->scales + n * 2 * G, into + r * K, j->K);
     }
     return into;
 }
@@ -605,8 +726,8 @@ static void outer_rows(const void *p, int lo, int hi) {
  * AVX-512, 2026-12-02) the default model's products of 1,728 rows ran at 240-360 GF/s by 48 rows,
  * 230-320 all at once; MKL there, 140-170. Each row's sums are the same whatever its chunk.
  * Returns -1 if out of memory. */
-static int outer_product(const float *x, const float *w, const uint8_t *u8, const int8_t *q8, const float *scales,
-                         const float *bias, float *y, int M, int N, int K, int threads) {
+static int outer_product(const float *x, const float *w, const uint8_t *u8, const int8_t *q8, const uint8_t *q4,
+                         const float *scales, const float *bias, float *y, int M, int N, int K, int threads) {
     int rows = M < FAST_ROWS ? M : FAST_ROWS, failed = 0;
     float *xt = malloc(sizeof(float) * (size_t)K * PADDED_ROWS(rows));
     if (!xt) return -1;
@@ -614,7 +735,7 @@ static int outer_product(const float *x, const float *w, const uint8_t *u8, cons
     for (int m0 = 0; m0 < M && !failed; m0 += rows) {
         int m = M - m0 < rows ? M - m0 : rows, MP = PADDED_ROWS(m);
         transpose_rows(x + (int64_t)m0 * K, xt, m, MP, K);
-        struct outer_job job = {xt, w, bias, u8, q8, scales, y + (int64_t)m0 * N, m, MP, N, K, &failed};
+        struct outer_job job = {xt, w, bias, u8, q8, q4, scales, y + (int64_t)m0 * N, m, MP, N, K, &failed};
         parallel_rows(outer_rows, &job, N, chunk < OUTER_W ? OUTER_W : chunk, threads);
     }
     free(xt);
@@ -684,8 +805,8 @@ static int faster_setting(int *setting, int M, int M2) {
     for (int run = -2; run < 10; run++) {       /* (the first two fault the pages in) */
         *setting = run & 1;
         double start = seconds_now();
-        failed |= outer_product(x, w, NULL, NULL, NULL, NULL, y, M, N, K, 1);
-        if (M2) failed |= outer_product(x, w, NULL, NULL, NULL, NULL, y, M2, N, K, 1);
+        failed |= outer_product(x, w, NULL, NULL, NULL, NULL, NULL, y, M, N, K, 1);
+        if (M2) failed |= outer_product(x, w, NULL, NULL, NULL, NULL, NULL, y, M2, N, K, 1);
         double took = seconds_now() - start;
         if (run >= 0 && took < best[run & 1]) best[run & 1] = took;
     }
@@ -716,8 +837,8 @@ int pd_outer_choose(void) {
 int pd_linear_f32(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
                   int threads) {
     if (M <= 0) return 0;               /* (a forward that samples no row asks for no logits) */
-    if (M >= OUTER_MIN_ROWS) return outer_product(x, w, NULL, NULL, NULL, bias, y, M, N, K, threads);
-    struct few_job job = {x, w, bias, NULL, NULL, y, M, N, K};
+    if (M >= OUTER_MIN_ROWS) return outer_product(x, w, NULL, NULL, NULL, NULL, bias, y, M, N, K, threads);
+    struct few_job job = {x, w, bias, NULL, NULL, NULL, y, M, N, K};
     parallel_rows(few_rows, &job, N, row_chunk(N, threads), threads);
     return 0;
 }
@@ -728,10 +849,37 @@ int pd_linear_exact_int8(const float *x, const int8_t *q, const float *s, const 
                          int N, int K, int threads) {
     if (K % EXACT_BLOCK) return -2;
     if (M <= 0) return 0;
-    if (M >= OUTER_MIN_ROWS) return outer_product(x, NULL, NULL, q, s, bias, y, M, N, K, threads);
-    struct few_job job = {x, NULL, bias, q, s, y, M, N, K};
+    if (M >= OUTER_MIN_ROWS) return outer_product(x, NULL, NULL, q, NULL, s, bias, y, M, N, K, threads);
+    struct few_job job = {x, NULL, bias, q, NULL, s, y, M, N, K};
     parallel_rows(few_rows, &job, N, row_chunk(N, threads), threads);
     return 0;
+}
+
+/* pd_linear_f32 on a matrix held in exact Q4 blocks (q [N, K / 2] nibbles, dm [N, K / 32, 2]):
+ * the same results as on its fp32 weights, bit for bit. Returns -1 if out of memory, -2 if K is
+ * not whole blocks. */
+int pd_linear_exact_q4(const float *x, const uint8_t *q, const float *dm, const float *bias, float *y, int M,
+                       int N, int K, int threads) {
+    if (K % EXACT_BLOCK) return -2;
+    if (M <= 0) return 0;
+    if (M >= OUTER_MIN_ROWS) return outer_product(x, NULL, NULL, NULL, q, dm, bias, y, M, N, K, threads);
+    struct few_job job = {x, NULL, bias, NULL, q, dm, y, M, N, K};
+    parallel_rows(few_rows, &job, N, row_chunk(N, threads), threads);
+    return 0;
+}
+
+struct q4x_unpack_job { const uint8_t *q; const float *dm; float *out; int K; };
+
+static void q4x_unpack_rows(const void *p, int lo, int hi) {
+    const struct q4x_unpack_job *j = p;
+    int64_t K = j->K;
+    for (int64_t n = lo; n < hi; n++) unpack_q4x_row(j->q + n * (K / 2), j->dm + n * (K / 16), j->out + n * K, j->K);
+}
+
+/* Rows of exact Q4 blocks as their fp32 weights (for BLAS past the C products' rows), on the pool. */
+void pd_unpack_exact_q4(const uint8_t *q, const float *dm, float *out, int N, int K, int threads) {
+    struct q4x_unpack_job job = {q, dm, out, K};
+    parallel_rows(q4x_unpack_rows, &job, N, row_chunk(N, threads), threads);
 }
 
 /* Activations in int8, in blocks of 64 values with one scale each, as two parts: x ~= s * (hi + lo / 254)
@@ -944,7 +1092,7 @@ int pd_linear_u8(const float *x, const uint8_t *w, const float *scales, const fl
 #ifdef U8_OUTER_MIN_ROWS
     if (M >= U8_OUTER_MIN_ROWS) return int_outer(OUTER_U8, x, w, scales, bias, y, M, N, K, threads);
 #elif PDCHAT_INT8_PATH == PD_INT8_AVX2
-    if (M >= AVX2_U8_DEQUANT_ROWS) return outer_product(x, NULL, w, NULL, scales, bias, y, M, N, K, threads);
+    if (M >= AVX2_U8_DEQUANT_ROWS) return outer_product(x, NULL, w, NULL, NULL, scales, bias, y, M, N, K, threads);
 #endif
     int nb = K / QBLOCK;
     int8_t *hi = malloc((size_t)2 * M * K);
@@ -2603,8 +2751,9 @@ void pd_paged_attention(const float *q, int64_t q_stride, const float *k_cache, 
 
 /* ---- whole layers: one call per forward, so a decode step pays Python's overhead once ---- */
 
-/* How pd_layers' quantized weights are stored (dims[6]); a NULL scales pointer means fp32. */
-enum { PD_WEIGHTS_INT8 = 1, PD_WEIGHTS_INT4 = 2 };
+/* How each of pd_layers' matrices is stored (dims[6...]). */
+enum { PD_WEIGHTS_F32 = 0, PD_WEIGHTS_INT8 = 1, PD_WEIGHTS_INT4 = 2, PD_WEIGHTS_EXACT_INT8 = 3,
+       PD_WEIGHTS_EXACT_Q4 = 4 };
 
 /* FAST_ROWS (above), for the scheduler and the products past it. */
 int pd_fast_rows(void) { return FAST_ROWS; }
@@ -2632,17 +2781,24 @@ int pd_quant_max_rows(int format) {
 /* ptrs[0..2] = weight, scales, bias. */
 static int linear_any(const float *x, const void *const *lin, int format, float *y, int M, int N, int K,
                       int threads) {
-    if (lin[1] && format == PD_WEIGHTS_INT4) return pd_linear_q4(x, lin[0], lin[1], lin[2], y, M, N, K, threads);
-    if (lin[1]) return pd_linear_u8(x, lin[0], lin[1], lin[2], y, M, N, K, threads);
-    return pd_linear_f32(x, lin[0], lin[2], y, M, N, K, threads);
+    switch (format) {
+    case PD_WEIGHTS_INT8: return pd_linear_u8(x, lin[0], lin[1], lin[2], y, M, N, K, threads);
+    case PD_WEIGHTS_INT4: return pd_linear_q4(x, lin[0], lin[1], lin[2], y, M, N, K, threads);
+    case PD_WEIGHTS_EXACT_INT8: return pd_linear_exact_int8(x, lin[0], lin[1], lin[2], y, M, N, K, threads);
+    case PD_WEIGHTS_EXACT_Q4: return pd_linear_exact_q4(x, lin[0], lin[1], lin[2], y, M, N, K, threads);
+    default: return pd_linear_f32(x, lin[0], lin[2], y, M, N, K, threads);
+    }
 }
+
+enum { LINEARS_PER_LAYER = 4 };     /* qkv, o, gate_up, down: a format each in dims */
 
 enum { W_QKV = 0, W_Q_NORM = 3, W_K_NORM, W_O, W_NORM_MLP = 8, W_GATE_UP, W_DOWN = 12, W_NEXT_NORM = 15,
        PTRS_PER_LAYER };
 
 /* Every block of a Llama-family model, in place on x [T, D] (the residual stream) and h [T, D] (its
  * normalised form), exactly as the model's op-by-op forward (engine/model.py) does with these
- * kernels. dims = {layers, D, H, KVH, head_dim, intermediate, weight format}; ptrs: PTRS_PER_LAYER per layer in
+ * kernels. dims = {layers, D, H, KVH, head_dim, intermediate, then each layer's four matrices'
+ * formats (PD_WEIGHTS_*: a model may hold some exactly and not others)}; ptrs: PTRS_PER_LAYER per layer in
  * the order above (q/k norm NULL when the model has none). The caches hold all layers,
  * `layer_stride` floats apart. The seconds the tiled sequences' attention took are added to
  * *tile_seconds where it is given. Returns -1 if out of memory. */
@@ -2650,7 +2806,7 @@ int pd_layers(const int *dims, float eps, const void *const *ptrs, float *x, flo
               const float *sin, const int64_t *slots, float *k_cache, float *v_cache, int64_t layer_stride,
               const int32_t *tables, int max_blocks, const int32_t *cu_q, const int32_t *ctx, int S, int bs,
               float scale, int T, int threads, double *tile_seconds) {
-    int L = dims[0], D = dims[1], H = dims[2], KVH = dims[3], Dh = dims[4], I = dims[5], F = dims[6];
+    int L = dims[0], D = dims[1], H = dims[2], KVH = dims[3], Dh = dims[4], I = dims[5];
     int Nq = H * Dh, Nkv = KVH * Dh, Nqkv = Nq + 2 * Nkv;
     float *qkv = malloc(sizeof(float) * (size_t)T * (Nqkv + Nq + D + 3 * (size_t)I));
     if (!qkv) return -1;
@@ -2659,8 +2815,9 @@ int pd_layers(const int *dims, float eps, const void *const *ptrs, float *x, flo
     int status = 0;
     for (int l = 0; l < L && status == 0; l++) {
         const void *const *p = ptrs + (size_t)l * PTRS_PER_LAYER;
+        const int *F = dims + 6 + l * LINEARS_PER_LAYER;
         float *kc = k_cache + l * layer_stride, *vc = v_cache + l * layer_stride;
-        status |= linear_any(h, p + W_QKV, F, qkv, T, Nqkv, D, threads);
+        status |= linear_any(h, p + W_QKV, F[0], qkv, T, Nqkv, D, threads);
         if (p[W_Q_NORM])
             for (int t = 0; t < T; t++) {   /* (in place: each row's scale is taken before it is written) */
                 pd_rms_norm(q + (size_t)t * Nqkv, p[W_Q_NORM], q + (size_t)t * Nqkv, H, Dh, eps, 1);
@@ -2670,11 +2827,11 @@ int pd_layers(const int *dims, float eps, const void *const *ptrs, float *x, flo
         pd_store_kv(k, Nqkv, v, Nqkv, kc, vc, slots, T, KVH, Dh);
         paged_attention(q, Nqkv, kc, vc, tables, max_blocks, cu_q, ctx, S, H, KVH, Dh, bs, scale, att, threads,
                         tile_seconds);
-        status |= linear_any(att, p + W_O, F, delta, T, D, Nq, threads);
+        status |= linear_any(att, p + W_O, F[1], delta, T, D, Nq, threads);
         pd_add_rms_norm(x, delta, p[W_NORM_MLP], h, T, D, eps, threads);
-        status |= linear_any(h, p + W_GATE_UP, F, gu, T, 2 * I, D, threads);
+        status |= linear_any(h, p + W_GATE_UP, F[2], gu, T, 2 * I, D, threads);
         pd_silu_mul(gu, act, T, I, threads);
-        status |= linear_any(act, p + W_DOWN, F, delta, T, D, I, threads);
+        status |= linear_any(act, p + W_DOWN, F[3], delta, T, D, I, threads);
         pd_add_rms_norm(x, delta, p[W_NEXT_NORM], h, T, D, eps, threads);
     }
     free(qkv);

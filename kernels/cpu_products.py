@@ -22,9 +22,31 @@ from . import FastRows, reference
 # past 16 rows where the CPU runs those faster, cpu_kernels.c): with 8, 41 rows cost what 48 do, 17
 # what 24 do. The AVX-512 VNNI integer kernels take rows 16 at a time, so with 8 every other step
 # costs nothing there, which the step cost model's price per vector learns.
-WEIGHTS_INT8, WEIGHTS_INT4 = 1, 2   # how C names a weight format (PD_WEIGHTS_* in cpu_kernels.c)
+# How C names a matrix's stored form (PD_WEIGHTS_* in cpu_kernels.c).
+WEIGHTS_F32, WEIGHTS_INT8, WEIGHTS_INT4, WEIGHTS_EXACT_INT8, WEIGHTS_EXACT_Q4 = range(5)
 UNPACK_FLOATS = 1 << 22    # quantized weights unpacked for BLAS this many at a time (16 MB, one buffer)
 QBLOCK = 64                # activation quantization block of the int8 product (cpu_kernels.c)
+
+
+def weight_format(weight: torch.Tensor, scales: torch.Tensor | None) -> int | None:
+    """The C name of a matrix's stored form, told by its tensors' dtypes and shapes; None for a
+    form the C products do not read (the reference's int8 packing, another dtype)."""
+    fp32 = torch.float32
+    if scales is None:
+        return WEIGHTS_F32 if weight.dtype == fp32 else None
+    if weight.dtype == torch.int8 and scales.dtype == fp32 and scales.dim() == 2:
+        return WEIGHTS_EXACT_INT8
+    if weight.dtype == torch.uint8 and weight.dim() == 2:
+        if scales.dim() == 1 and scales.dtype == fp32:
+            return WEIGHTS_INT8
+        if scales.dim() == 3:
+            return {torch.bfloat16: WEIGHTS_INT4, fp32: WEIGHTS_EXACT_Q4}.get(scales.dtype)
+    return None
+
+
+def weight_columns(weight: torch.Tensor, fmt: int) -> int:
+    """A matrix's width (its K) in a stored form: nibble forms hold two weights a byte."""
+    return weight.shape[1] * (2 if fmt in (WEIGHTS_INT4, WEIGHTS_EXACT_Q4) else 1)
 
 
 class SlicedBlas:
@@ -118,7 +140,7 @@ class CpuProducts:
                                for fmt, code in (("int8", WEIGHTS_INT8), ("int4", WEIGHTS_INT4))}
 
     def _in_c(self, rows: int) -> bool:
-        """Whether a product of this many fp32 (or exact int8) rows runs in C."""
+        """Whether a product of this many fp32 (or exact blocks') rows runs in C."""
         return rows <= self.fast_rows.limit or many_rows_in_c(self.lib)
 
     @staticmethod
@@ -166,6 +188,42 @@ class CpuProducts:
                                                x.shape[0], q.shape[0], x.shape[1], torch.get_num_threads())
         if status == -2:
             raise ValueError(f"exact int8 blocks: rows of {x.shape[1]} weights are not whole blocks of 32")
+        if status != 0:
+            raise MemoryError("CPU linear: out of memory for the transposed activations")
+        return y
+
+    def exact_q4_blocks(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The weight's exact Q4 blocks (reference.py) when it has that form, else None: one
+        parallel pass that gives up soon after a group without it."""
+        if weight.dim() != 2 or not self._ok(weight) or not weight.is_contiguous() \
+                or weight.shape[1] % reference.EXACT_BLOCK:
+            return None
+        N, K = weight.shape
+        q = torch.empty(N, K // 2, dtype=torch.uint8)
+        dm = torch.empty(N, K // reference.EXACT_BLOCK, 2)
+        if not self.lib.pd_exact_q4_blocks(weight.data_ptr(), N, K, q.data_ptr(), dm.data_ptr(),
+                                           torch.get_num_threads()):
+            return None
+        return q, dm
+
+    def linear_exact_q4(self, x: torch.Tensor, q: torch.Tensor, dm: torch.Tensor,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W^T + bias for W held in exact Q4 blocks: the same results as pd_linear_f32 on W."""
+        if not self._ok(x, dm, bias) or q.dtype != torch.uint8 or not q.is_cpu \
+                or not (x.is_contiguous() and q.is_contiguous() and dm.is_contiguous()):
+            return reference.linear_exact_q4(x, q, dm, bias)
+        N, K = q.shape[0], q.shape[1] * 2
+        if not self._in_c(x.shape[0]):      # many rows: BLAS on the weights rebuilt a slice at a time
+            def unpack(n0: int, n1: int, out: torch.Tensor) -> None:
+                self.lib.pd_unpack_exact_q4(q[n0].data_ptr(), dm[n0].data_ptr(), out.data_ptr(), n1 - n0, K,
+                                            torch.get_num_threads())
+            return self.sliced.matmul(x, N, unpack, bias)
+        y = x.new_empty(x.shape[0], N)
+        status = self.lib.pd_linear_exact_q4(x.data_ptr(), q.data_ptr(), dm.data_ptr(),
+                                             bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                             x.shape[0], N, x.shape[1], torch.get_num_threads())
+        if status == -2:
+            raise ValueError(f"exact Q4 blocks: rows of {x.shape[1]} weights are not whole blocks of 32")
         if status != 0:
             raise MemoryError("CPU linear: out of memory for the transposed activations")
         return y

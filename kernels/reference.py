@@ -219,6 +219,25 @@ def linear_exact_int8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
     return linear(x, dequantize_exact_int8(q, scales).to(x.dtype), bias)
 
 
+# Exact Q4 blocks: an fp32 matrix whose every 32 weights of a row are d * u + m with u in 0..15 and
+# d * u exact in fp32 (a GGUF Q4_1 matrix read as fp32), held as (nibbles uint8 [N, K / 2] in the
+# int4 layout below, (d, m) fp32 [N, K / 32, 2]): 0.75 bytes a weight. As for exact int8 blocks,
+# this backend never finds the form (`exact_q4_blocks`); the C one does.
+def exact_q4_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    return None
+
+
+def dequantize_exact_q4(q: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    """The fp32 weights of exact Q4 blocks (rows of them: an embedding's lookups too)."""
+    u = unpack_int4(q).float().unflatten(-1, (-1, EXACT_BLOCK))
+    return (u * dm[..., :1] + dm[..., 1:]).flatten(-2)       # (d * u exact: one rounding, as in C)
+
+
+def linear_exact_q4(x: torch.Tensor, q: torch.Tensor, dm: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    return linear(x, dequantize_exact_q4(q, dm).to(x.dtype), bias)
+
+
 def int8_supported(device: torch.device) -> bool:
     """Whether this torch build runs the int8 weight-only matmul on the device."""
     try:

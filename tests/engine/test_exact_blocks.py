@@ -1,6 +1,7 @@
 """A model whose embedding and LM head are GGUF Q8_0 matrices read as fp32 (the default model's
-embedding and tied head): on the CPU kernels they are held as exact int8 blocks, a quarter of the
-bytes, and the model's numbers do not move by a bit."""
+embedding and tied head), or whose layer matrices are Q4_1 ones (the default model's layers): on
+the CPU kernels they are held as exact blocks (int8, a quarter of the bytes; Q4, under a fifth),
+and the model's numbers do not move by a bit."""
 from __future__ import annotations
 
 import json
@@ -24,6 +25,62 @@ def q8_0_form(w: torch.Tensor) -> torch.Tensor:
     scale = (blocks.abs().amax(dim=1) / 127).half().float()
     q = torch.round(blocks / scale[:, None]).clamp(-127, 127).to(torch.int8)     # (no -0: integers)
     return (q.float() * scale[:, None]).view_as(w)
+
+
+def q4_1_form(w: torch.Tensor) -> torch.Tensor:
+    """What a GGUF Q4_1 matrix reads as: per 32 weights d * u + m, u in 0..15, d and m fp16 (m the
+    group's least weight)."""
+    groups = w.view(-1, 32)
+    low = groups.amin(dim=1).half().float()
+    d = ((groups.amax(dim=1) - low) / 15).half().float()
+    u = torch.round((groups - low[:, None]) / d[:, None]).clamp(0, 15)
+    return (u * d[:, None] + low[:, None]).view_as(w)
+
+
+LONG_PROMPT = list(range(3, 253)) + list(range(3, 53))   # 300 tokens: past every build's fast rows
+LEFT_FP32 = "model.layers.1.mlp.down_proj.weight"     # one layer matrix not of the form: held as it is
+
+
+@pytest.fixture(scope="module")
+def q4_folder(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("q4-layers")
+    cfg = preset_config("tiny")
+    state = random_state_dict(cfg, seed=5)
+    for name in state:
+        if name.startswith("model.layers.") and name.endswith("proj.weight") and name != LEFT_FP32:
+            state[name] = q4_1_form(state[name])
+    save_file(state, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(cfg))
+    byte_tokenizer().save_pretrained(str(folder))
+    return folder
+
+
+def test_q4_1_layers_are_held_as_exact_blocks_and_change_no_number(q4_folder, monkeypatch):
+    with monkeypatch.context() as mp:
+        mp.setattr(cpu.CpuKernels, "exact_q4_blocks", lambda self, weight: None)
+        plain, fp_logits, fp_tokens = run(q4_folder)
+        with plain:
+            fp_bytes = plain.stats().model_bytes
+            fp_long = plain.prompt_logits(LONG_PROMPT)
+    engine, logits, tokens = run(q4_folder)
+    with engine:
+        model = engine.loaded.model
+        held = {name: m.quantized["none"].fmt if m.weight is None else "fp32"
+                for name, m in quant.quantized_layers(model).items() if name.startswith("layers.")}
+        assert held.pop("layers.1.mlp.down") == "fp32"
+        assert set(held.values()) == {quant.EXACT_Q4}
+        assert torch.equal(logits, fp_logits)           # a 40-token prompt: the strips, one C call
+        assert tokens == fp_tokens                      # decode rows: the dot products
+        assert model._layer_plan() is not None           # the one-call forward reads the mixed forms
+        saved = sum(w.numel() * 4 - (w.numel() // 2 + w.numel() // 32 * 8)
+                    for name, w in ((n, model.get_submodule(n).full_precision_weight()) for n in held))
+        assert fp_bytes - engine.stats().model_bytes == saved
+        # past the fast rows, op by op: C by chunks of them, or BLAS on weights rebuilt a slice at
+        # a time (the same weights; BLAS's sums may differ by slice)
+        torch.testing.assert_close(engine.prompt_logits(LONG_PROMPT), fp_long, atol=1e-4, rtol=1e-4)
+        engine.update(spec="draft")                     # int8 copies made from the rebuilt weights
+        drafted = engine.submit(PROMPT, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)).result()
+        assert drafted.token_ids == fp_tokens
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +120,7 @@ def test_q8_0_heads_are_held_as_exact_blocks_and_change_no_number(q8_folder, as_
         model = engine.loaded.model
         for name in ("embed", "lm_head"):
             layer = model.get_submodule(name)
-            assert layer.weight is None and layer.quantized["none"].fmt == quant.EXACT
+            assert layer.weight is None and layer.quantized["none"].fmt == quant.EXACT_INT8
         assert all(m.weight is not None for m in model.layers.modules() if isinstance(m, quant.QuantLinear))
         fp_logits, fp_tokens, fp_bytes = as_fp32
         assert torch.equal(logits, fp_logits)          # the embedding's rows and the head's products
@@ -80,7 +137,7 @@ def test_precision_switches_and_the_self_draft_keep_exact_heads(q8_folder, as_fp
         engine.update(quant="int8")
         assert embed.quantized["int8"].fmt == "int8" and "none" not in embed.quantized
         engine.update(quant="none")
-        assert embed.quantized["none"].fmt == quant.EXACT
+        assert embed.quantized["none"].fmt == quant.EXACT_INT8
         assert torch.equal(engine.prompt_logits(PROMPT), logits)
         held = engine.stats().model_bytes
         engine.update(spec="draft")                    # int8 copies beside, the head's made from its blocks

@@ -74,21 +74,32 @@ def _steps(payoff: QuantPayoff, mode: str, seconds: float, n: int = QUANT_STEPS,
 def test_quantized_weights_no_faster_are_explained_once_with_the_figures():
     payoff = QuantPayoff()
     assert _steps(payoff, "float32", 0.030) == []
-    payoff.switched("float32", "int8", "538 -> 135 MB of weights")
+    payoff.switched("float32", "int8", 538_000_000, 135_000_000)
     assert _steps(payoff, "int8", 0.029, n=QUANT_STEPS - 1) == []                  # not measured enough yet
     said = _steps(payoff, "int8", 0.029, n=3)
     assert len(said) == 1 and said[0].startswith("int8 weights decode at 1.03x the speed of float32")
     assert "saves memory (538 -> 135 MB of weights), not time" in said[0]
 
 
+def test_quantized_weights_larger_than_the_exact_blocks_are_said_to_save_nothing():
+    """Full precision held in exact Q4 blocks takes fewer bytes than int8 weights would."""
+    payoff = QuantPayoff()
+    _steps(payoff, "float32", 0.011)
+    payoff.switched("float32", "int8", 112_000_000, 141_000_000)
+    said = _steps(payoff, "int8", 0.012)
+    assert len(said) == 1 and said[0].startswith("int8 weights decode at 0.92x the speed of float32")
+    assert "hold no less memory (112 -> 141 MB of weights" in said[0]
+    assert said[0].endswith("so int8 saves neither time nor memory here") and "saves memory" not in said[0]
+
+
 def test_faster_quantized_weights_and_full_precision_say_nothing():
     payoff = QuantPayoff()
     _steps(payoff, "float32", 0.030)
-    payoff.switched("float32", "int4", "538 -> 95 MB of weights")
+    payoff.switched("float32", "int4", 538_000_000, 95_000_000)
     assert _steps(payoff, "int4", 0.010, n=3 * QUANT_STEPS) == []
-    payoff.switched("int4", None, "95 -> 538 MB of weights")                      # back to float32
+    payoff.switched("int4", None, 95_000_000, 538_000_000)                      # back to float32
     assert _steps(payoff, "float32", 0.050, n=3 * QUANT_STEPS) == []
-    payoff.switched("float32", "int8", "")
+    payoff.switched("float32", "int8", 538_000_000, 135_000_000)
     assert _steps(payoff, "int8", 0.020, n=QUANT_STEPS, requests=4) == []          # another batch size
 
 

@@ -4,14 +4,14 @@
  *
  * Input (little-endian): int32 job count, then per job an int32 op code (OP_* below), DIMS int32
  * dimensions (unused ones 0) and the op's arrays, each contiguous, in the order `run` reads them:
- * float32, uint8 for int8 and int4 weights, int8 for exact blocks, bf16 for int4's params, int32 for attention's batch layout. Output: int32
+ * float32, uint8 for int8, int4 and exact Q4 weights, int8 for exact int8 blocks, bf16 for int4's params, int32 for attention's batch layout. Output: int32
  * pd_int8_path(), then each job's results as float32 arrays in the order `run` writes them.
  * Every kernel gets THREADS threads, so the worker pool runs wherever a kernel splits its work. */
 #include <stdio.h>
 #include "cpu_kernels.c"
 
 enum { OP_LINEAR_U8 = 1, OP_LINEAR_F32, OP_RMS_NORM, OP_ADD_RMS_NORM, OP_SILU_MUL, OP_ROPE, OP_ATTENTION,
-       OP_LINEAR_Q4, OP_LINEAR_EXACT };
+       OP_LINEAR_Q4, OP_LINEAR_EXACT, OP_LINEAR_EXACT_Q4 };
 #define DIMS 7
 #define THREADS 2
 #define EPS 1e-5f
@@ -63,6 +63,14 @@ static void run(int op, const int *d) {
         if (pd_linear_exact_int8(x, q, scales, bias, y, M, N, K, THREADS) != 0) exit(3);
         put(y, (size_t)M * N);
         free(x), free(y), free(q), free(scales), free(bias);
+    } else if (op == OP_LINEAR_EXACT_Q4) {
+        int M = d[0], N = d[1], K = d[2];
+        float *x = floats((size_t)M * K), *y = malloc(sizeof(float) * M * N);
+        uint8_t *q = take((size_t)N * K / 2);
+        float *dm = floats((size_t)N * (K / EXACT_BLOCK) * 2), *bias = floats(N);
+        if (pd_linear_exact_q4(x, q, dm, bias, y, M, N, K, THREADS) != 0) exit(3);
+        put(y, (size_t)M * N);
+        free(x), free(y), free(q), free(dm), free(bias);
     } else if (op == OP_LINEAR_Q4) {
         int M = d[0], N = d[1], K = d[2];
         float *x = floats((size_t)M * K), *y = malloc(sizeof(float) * M * N);

@@ -17,14 +17,15 @@ from pdchat.kernels import cpu, reference
 
 from .batch import Batch
 from tests.kernel_variants import record_variant
-from .test_cpu_kernels import exact_blocks, int4_product_in_integers
+from .test_cpu_kernels import exact_blocks, exact_q4_blocks, int4_product_in_integers
 
 TOOLS = {"aarch64-linux-gnu-gcc": "gcc-aarch64-linux-gnu", "qemu-aarch64": "qemu-user"}   # -> Debian package
 CC, QEMU = TOOLS
 DRIVER = Path(__file__).with_name("arm_driver.c")
 TOL = dict(atol=1e-5, rtol=1e-4)                  # as test_cpu_kernels
 # Operation codes and header size of arm_driver.c
-LINEAR_U8, LINEAR_F32, RMS_NORM, ADD_RMS_NORM, SILU_MUL, ROPE, ATTENTION, LINEAR_Q4, LINEAR_EXACT = range(1, 10)
+(LINEAR_U8, LINEAR_F32, RMS_NORM, ADD_RMS_NORM, SILU_MUL, ROPE, ATTENTION, LINEAR_Q4, LINEAR_EXACT,
+ LINEAR_EXACT_Q4) = range(1, 11)
 DIMS = 7
 
 
@@ -90,16 +91,18 @@ def int4_jobs() -> list[Job]:
 
 
 def exact_jobs() -> list[Job]:
-    """Exact int8 blocks against fp32 on their rebuilt weights, at a few rows (the dot path, int8
-    widened by NEON) and at strips; each pair's results must be equal bit for bit (the test)."""
-    w, q, scales = exact_blocks(40, 96, seed=15)
-    bias = rand(40, seed=16)
+    """Exact int8 and Q4 blocks against fp32 on their rebuilt weights, at a few rows (the dot path,
+    int8 widened by NEON) and at strips; each pair's results must be equal bit for bit (the test)."""
     out = []
-    for rows in (2, 9):
-        x = rand(rows, 96, seed=17)
-        want = [reference.linear(x, w, bias)]
-        out += [Job(f"linear f32, {rows} rows of exact weights", LINEAR_F32, (rows, 40, 96), [x, w, bias], want, TOL),
-                Job(f"exact int8 blocks, {rows} rows", LINEAR_EXACT, (rows, 40, 96), [x, q, scales, bias], want, TOL)]
+    for form, op, (w, q, scales) in (("int8", LINEAR_EXACT, exact_blocks(40, 96, seed=15)),
+                                     ("Q4", LINEAR_EXACT_Q4, exact_q4_blocks(40, 96, seed=18))):
+        bias = rand(40, seed=16)
+        for rows in (2, 9):
+            x = rand(rows, 96, seed=17)
+            want = [reference.linear(x, w, bias)]
+            out += [Job(f"linear f32, {rows} rows of exact {form} weights", LINEAR_F32, (rows, 40, 96),
+                        [x, w, bias], want, TOL),
+                    Job(f"exact {form} blocks, {rows} rows", op, (rows, 40, 96), [x, q, scales, bias], want, TOL)]
     return out
 
 
@@ -197,8 +200,9 @@ def test_aarch64_kernels_match_the_reference_under_qemu(tmp_path, int8, expected
             else:
                 torch.testing.assert_close(got, want, **job.tol, msg=lambda m, job=job: f"{job.name}: {m}")
     by_name = {job.name: outs for job, outs in zip(todo, results)}
-    for rows in (2, 9):
-        exact, fp32 = by_name[f"exact int8 blocks, {rows} rows"][0], by_name[f"linear f32, {rows} rows of exact weights"][0]
-        assert torch.equal(exact, fp32), rows
+    for form in ("int8", "Q4"):
+        for rows in (2, 9):
+            exact = by_name[f"exact {form} blocks, {rows} rows"][0]
+            assert torch.equal(exact, by_name[f"linear f32, {rows} rows of exact {form} weights"][0]), (form, rows)
     if expected_path == "neon-dot":
         record_variant("neon-dot", "built and tested under qemu-aarch64")

@@ -101,6 +101,72 @@ def test_only_matrices_of_exact_blocks_are_held_as_them(ops):
         ops.linear_exact_int8(rand(1, 48), torch.zeros(8, 48, dtype=torch.int8), torch.ones(8, 1))
 
 
+def exact_q4_blocks(N: int, K: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w, q, dm): w in the form of a GGUF Q4_1 matrix read as fp32, every 32 weights of a row
+    d * u + m with an fp16 d and m and u in 0..15, each group reaching 0 and 15 (as quantizing
+    makes it); q the nibbles (int4 layout), dm the (d, m) pairs."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randint(0, 16, (N, K // 32, 32), generator=g, dtype=torch.uint8)
+    u[:, :, 3], u[:, :, 20] = 0, 15
+    d = (torch.rand(N, K // 32, generator=g) * 0.01 + 1e-4).half().float()
+    m = (-torch.rand(N, K // 32, generator=g) * 0.05).half().float()
+    w = (u.float() * d[..., None] + m[..., None]).view(N, K)      # d * u exact: one rounding
+    return w, reference.pack_int4(u.view(N, K)), torch.stack([d, m], dim=-1)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 8, 9, 24, 40, 48, 145])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("many_in_c", [True, False])
+def test_exact_q4_blocks_give_the_fp32_products_bit_for_bit(ops, rows, bias, many_in_c, monkeypatch):
+    chose(monkeypatch, ops, "products", many_in_c)
+    w, q, dm = exact_q4_blocks(83, 192, seed=rows)
+    found = ops.exact_q4_blocks(w)
+    assert found is not None and torch.equal(found[0], q) and torch.equal(found[1], dm)
+    assert torch.equal(reference.dequantize_exact_q4(q, dm), w)
+    x, b = rand(rows, 192, seed=1), rand(83, seed=2) if bias else None
+    got = ops.linear_exact_q4(x, *found, b)
+    if rows <= ops.fast_rows.limit or many_in_c:
+        assert torch.equal(got, ops.linear(x, w, b))
+    else:
+        torch.testing.assert_close(got, reference.linear(x, w, b), **TOL)
+    torch.testing.assert_close(got, reference.linear_exact_q4(x, q, dm, b), **TOL)
+
+
+def test_exact_q4_blocks_rebuild_for_blas_as_the_reference_does(ops):
+    w, q, dm = exact_q4_blocks(37, 96, seed=5)
+    out = torch.empty(37, 96)
+    ops.lib.pd_unpack_exact_q4(q.data_ptr(), dm.data_ptr(), out.data_ptr(), 37, 96, 2)
+    assert torch.equal(out, w)
+
+
+def test_only_matrices_of_exact_q4_blocks_are_held_as_them(ops):
+    w, _, dm = exact_q4_blocks(8, 64)
+    flat = ops.exact_q4_blocks(torch.full((4, 64), 0.375))                 # one value a group: d = 0
+    assert flat is not None and torch.equal(flat[1][..., 0], torch.zeros(4, 2))
+    fp32_d = w.clone()                              # a d of 16 significant bits, not fp16's 11: d * u still exact
+    fp32_d[0, :32] = torch.arange(32).remainder(16).float() * ((1 + 2 ** -15) / 64) - 0.5
+    assert ops.exact_q4_blocks(fp32_d) is not None
+    assert ops.exact_q4_blocks(w[:, :48].contiguous()) is None             # rows not whole groups
+    assert ops.exact_q4_blocks(w[:, ::2]) is None                          # not contiguous
+    assert ops.exact_q4_blocks(w.double()) is None
+    step = dm[3, 1, 0]
+    for spoil in (lambda v: torch.nextafter(v, torch.tensor(1.0)),        # one ulp off
+                  lambda v: v + step / 2,                                  # half a step of its group
+                  lambda v: v + 16 * step):                                # past u = 15
+        bad = w.clone()
+        bad[3, 40] = spoil(bad[3, 40])
+        assert ops.exact_q4_blocks(bad) is None
+    wide = w.clone()         # d * u not exact in fp32 (d of 24 bits): a fused rebuild would round once, not twice
+    d = torch.tensor((1.0 + 2.0 ** -23) / 1024)    # 3 * d needs 25 bits
+    wide[5, :32] = (torch.arange(32).remainder(16).float() * d).to(torch.float32)
+    assert ops.exact_q4_blocks(wide) is None
+    negative_zero = torch.zeros(2, 32)
+    negative_zero[1, 7] = -0.0                       # a -0 beside +0s: d = 0 rebuilds +0
+    assert ops.exact_q4_blocks(negative_zero) is None
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        ops.linear_exact_q4(rand(1, 48), torch.zeros(8, 24, dtype=torch.uint8), torch.ones(8, 1, 2))
+
+
 def builds_the_choice(choice: str) -> bool:
     """Whether this CPU's build has the choice pd_outer_choose times: how 48 rows go and whether
     rows past 16 go by whole strips of 16 (AVX-512 builds), or whether the 8 rows past the strips
