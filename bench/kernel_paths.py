@@ -3,7 +3,8 @@ section).
 
 The engine runs the best path its build has; this times the others beside it on matrices of the
 loaded model's shapes: every product of one decode step (each linear layer and the LM head once,
-one token), in fp32 and in int8 and int4 on each path, in interleaved rounds. The matrices are
+one token), in fp32, in fp32 held as exact Q4 blocks (the default model's layers' form: the same
+numbers from 6 bits a weight) and in int8 and int4 on each path, in interleaved rounds. The matrices are
 random (the engine holds its weights in one precision only, and the speed of a product does not
 depend on the values); the products are most of a decode step on a CPU, so their ratios say what
 each instruction set buys. The engine's end-to-end figures are the `decode` section's.
@@ -16,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from pdchat.engine import paths, quant
-from pdchat.kernels import cpu
+from pdchat.kernels import cpu, reference
 from pdchat.bench import median, ratio
 
 CALLS_PER_SAMPLE = 20         # decode steps' worth of products per timing
@@ -49,7 +50,7 @@ def section(engine: Any, rounds: int) -> dict[str, Any]:
     ready = {title: ops for title, ops in builds.items() if isinstance(ops, cpu.CpuKernels)}
     if not ready:
         return {"reason": "no C kernels could be built: " + "; ".join(map(str, builds.values()))}
-    runs = _products(step_shapes(engine.loaded.model), ready)
+    runs = _products(step_shapes(engine.loaded.model), ready, engine.loaded.quant.ops)
     samples: dict[str, list[float]] = {name: [] for name in runs}
     for fn in runs.values():
         fn()                                       # warm-up: caches, page faults, pool threads
@@ -64,8 +65,10 @@ def section(engine: Any, rounds: int) -> dict[str, Any]:
             "not_on_this_cpu": ", ".join(p.title for p in cpu.INT8_PATHS if p not in runnable) or None}
 
 
-def _products(shapes: list[tuple[int, int]], builds: dict[str, cpu.CpuKernels]) -> dict[str, Callable[[], None]]:
-    """One decode step's products per (path, format): fp32 once, int8 and int4 per path (int8 is
+def _products(shapes: list[tuple[int, int]], builds: dict[str, cpu.CpuKernels],
+              engine_ops: Any) -> dict[str, Callable[[], None]]:
+    """One decode step's products per (path, format): fp32 once, fp32 in exact Q4 blocks with the
+    engine's build (the products are fp32 arithmetic: one path), int8 and int4 per path (int8 is
     packed by each path's build; the int4 form is the same for all)."""
     gen = torch.Generator().manual_seed(0)
     fp32 = [torch.randn(n, k, generator=gen) * 0.02 for n, k in shapes]
@@ -74,6 +77,10 @@ def _products(shapes: list[tuple[int, int]], builds: dict[str, cpu.CpuKernels]) 
     int4 = [quant.quantize_int4(w) if quant.fits("int4", w) else None for w in fp32]
     any_ops = next(iter(builds.values()))
     runs: dict[str, Callable[[], None]] = {"fp32": lambda: [any_ops.linear(a, w) for a, w in zip(x, fp32)]}
+    exact = [engine_ops.exact_q4_blocks(reference.q4_1_weights(w)) if w.shape[1] % reference.EXACT_BLOCK == 0
+             else None for w in fp32]
+    if all(e is not None for e in exact):           # the engine's backend holds the form (the C kernels)
+        runs["fp32 in exact Q4 blocks"] = lambda: [engine_ops.linear_exact_q4(a, *e) for a, e in zip(x, exact)]
     for title, ops in builds.items():
         packed = [ops.pack_int8(q, s, torch.float32) for q, s in int8]
         runs[f"int8 {title}"] = lambda ops=ops, packed=packed: [

@@ -227,6 +227,16 @@ def exact_q4_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] |
     return None
 
 
+def q4_1_weights(w: torch.Tensor) -> torch.Tensor:
+    """What w quantized to GGUF's Q4_1 reads as in fp32: per 32 weights of a row d * u + m, u in
+    0..15, d and m fp16 (m the group's least weight): a matrix of the exact Q4 form."""
+    groups = w.float().reshape(-1, EXACT_BLOCK)
+    low = groups.amin(dim=1).half().float()
+    d = ((groups.amax(dim=1) - low) / 15).half().float()
+    u = torch.round((groups - low[:, None]) / d[:, None]).clamp(0, 15)
+    return (u * d[:, None] + low[:, None]).view_as(w)
+
+
 def dequantize_exact_q4(q: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
     """The fp32 weights of exact Q4 blocks (rows of them: an embedding's lookups too)."""
     u = unpack_int4(q).float().unflatten(-1, (-1, EXACT_BLOCK))

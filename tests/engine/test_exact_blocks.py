@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from pdchat.engine import Engine, SamplingParams, quant
 from pdchat.engine.random_models import byte_tokenizer, preset_config, random_state_dict
-from pdchat.kernels import cpu
+from pdchat.kernels import cpu, reference
 
 HEADS = ("model.embed_tokens.weight", "lm_head.weight")
 PROMPT = list(range(60, 100))        # 40 tokens: the strips' path; a decode row takes the dot path
@@ -27,16 +27,6 @@ def q8_0_form(w: torch.Tensor) -> torch.Tensor:
     return (q.float() * scale[:, None]).view_as(w)
 
 
-def q4_1_form(w: torch.Tensor) -> torch.Tensor:
-    """What a GGUF Q4_1 matrix reads as: per 32 weights d * u + m, u in 0..15, d and m fp16 (m the
-    group's least weight)."""
-    groups = w.view(-1, 32)
-    low = groups.amin(dim=1).half().float()
-    d = ((groups.amax(dim=1) - low) / 15).half().float()
-    u = torch.round((groups - low[:, None]) / d[:, None]).clamp(0, 15)
-    return (u * d[:, None] + low[:, None]).view_as(w)
-
-
 LONG_PROMPT = list(range(3, 253)) + list(range(3, 53))   # 300 tokens: past every build's fast rows
 LEFT_FP32 = "model.layers.1.mlp.down_proj.weight"     # one layer matrix not of the form: held as it is
 
@@ -48,7 +38,7 @@ def q4_folder(tmp_path_factory) -> Path:
     state = random_state_dict(cfg, seed=5)
     for name in state:
         if name.startswith("model.layers.") and name.endswith("proj.weight") and name != LEFT_FP32:
-            state[name] = q4_1_form(state[name])
+            state[name] = reference.q4_1_weights(state[name])
     save_file(state, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(cfg))
     byte_tokenizer().save_pretrained(str(folder))
