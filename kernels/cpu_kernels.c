@@ -843,29 +843,29 @@ int pd_linear_f32(const float *x, const float *w, const float *bias, float *y, i
     return 0;
 }
 
-/* pd_linear_f32 on a matrix held in exact blocks (q [N, K], s [N, K / 32]): the same results as on
- * its fp32 weights, bit for bit. Returns -1 if out of memory, -2 if K is not whole blocks. */
-int pd_linear_exact_int8(const float *x, const int8_t *q, const float *s, const float *bias, float *y, int M,
-                         int N, int K, int threads) {
+/* pd_linear_f32 on a matrix held in exact blocks of either form (q8 or q4, the other NULL; scales
+ * theirs): -2 if K is not whole blocks. */
+static int linear_exact(const float *x, const int8_t *q8, const uint8_t *q4, const float *scales,
+                        const float *bias, float *y, int M, int N, int K, int threads) {
     if (K % EXACT_BLOCK) return -2;
     if (M <= 0) return 0;
-    if (M >= OUTER_MIN_ROWS) return outer_product(x, NULL, NULL, q, NULL, s, bias, y, M, N, K, threads);
-    struct few_job job = {x, NULL, bias, q, NULL, s, y, M, N, K};
+    if (M >= OUTER_MIN_ROWS) return outer_product(x, NULL, NULL, q8, q4, scales, bias, y, M, N, K, threads);
+    struct few_job job = {x, NULL, bias, q8, q4, scales, y, M, N, K};
     parallel_rows(few_rows, &job, N, row_chunk(N, threads), threads);
     return 0;
 }
 
-/* pd_linear_f32 on a matrix held in exact Q4 blocks (q [N, K / 2] nibbles, dm [N, K / 32, 2]):
- * the same results as on its fp32 weights, bit for bit. Returns -1 if out of memory, -2 if K is
- * not whole blocks. */
+/* pd_linear_f32 on a matrix held in exact int8 blocks (q [N, K], s [N, K / 32]): the same results
+ * as on its fp32 weights, bit for bit. Returns -1 if out of memory, -2 if K is not whole blocks. */
+int pd_linear_exact_int8(const float *x, const int8_t *q, const float *s, const float *bias, float *y, int M,
+                         int N, int K, int threads) {
+    return linear_exact(x, q, NULL, s, bias, y, M, N, K, threads);
+}
+
+/* The same for exact Q4 blocks (q [N, K / 2] nibbles, dm [N, K / 32, 2]). */
 int pd_linear_exact_q4(const float *x, const uint8_t *q, const float *dm, const float *bias, float *y, int M,
                        int N, int K, int threads) {
-    if (K % EXACT_BLOCK) return -2;
-    if (M <= 0) return 0;
-    if (M >= OUTER_MIN_ROWS) return outer_product(x, NULL, NULL, NULL, q, dm, bias, y, M, N, K, threads);
-    struct few_job job = {x, NULL, bias, NULL, q, dm, y, M, N, K};
-    parallel_rows(few_rows, &job, N, row_chunk(N, threads), threads);
-    return 0;
+    return linear_exact(x, NULL, q, dm, bias, y, M, N, K, threads);
 }
 
 struct q4x_unpack_job { const uint8_t *q; const float *dm; float *out; int K; };

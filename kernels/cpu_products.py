@@ -159,74 +159,74 @@ class CpuProducts:
             raise MemoryError("CPU linear: out of memory for the transposed activations")
         return y
 
+    def _block_input(self, weight: torch.Tensor) -> bool:
+        """Whether the C searches for exact blocks can read this weight."""
+        return weight.dim() == 2 and self._ok(weight) and weight.is_contiguous() \
+            and weight.shape[1] % reference.EXACT_BLOCK == 0
+
     def exact_int8_blocks(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The weight's exact int8 blocks (reference.py) when it has that form, else None: one pass
         that stops at the first block without it."""
-        if weight.dim() != 2 or not self._ok(weight) or not weight.is_contiguous() \
-                or weight.shape[1] % reference.EXACT_BLOCK:
+        if not self._block_input(weight):
             return None
         N, K = weight.shape
-        q = torch.empty(N, K, dtype=torch.int8)
-        scales = torch.empty(N, K // reference.EXACT_BLOCK)
-        if not self.lib.pd_exact_int8_blocks(weight.data_ptr(), N, K, q.data_ptr(), scales.data_ptr()):
-            return None
-        return q, scales
-
-    def linear_exact_int8(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
-                          bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ W^T + bias for W held in exact int8 blocks: the same results as pd_linear_f32 on W."""
-        if not self._ok(x, scales, bias) or q.dtype != torch.int8 or not q.is_cpu \
-                or not (x.is_contiguous() and q.is_contiguous() and scales.is_contiguous()):
-            return reference.linear_exact_int8(x, q, scales, bias)
-        if not self._in_c(x.shape[0]):      # many rows: BLAS on the weights rebuilt a slice at a time
-            def unpack(n0: int, n1: int, out: torch.Tensor) -> None:
-                out.copy_(reference.dequantize_exact_int8(q[n0:n1], scales[n0:n1]))
-            return self.sliced.matmul(x, q.shape[0], unpack, bias)
-        y = x.new_empty(x.shape[0], q.shape[0])
-        status = self.lib.pd_linear_exact_int8(x.data_ptr(), q.data_ptr(), scales.data_ptr(),
-                                               bias.data_ptr() if bias is not None else None, y.data_ptr(),
-                                               x.shape[0], q.shape[0], x.shape[1], torch.get_num_threads())
-        if status == -2:
-            raise ValueError(f"exact int8 blocks: rows of {x.shape[1]} weights are not whole blocks of 32")
-        if status != 0:
-            raise MemoryError("CPU linear: out of memory for the transposed activations")
-        return y
+        q, scales = torch.empty(N, K, dtype=torch.int8), torch.empty(N, K // reference.EXACT_BLOCK)
+        found = self.lib.pd_exact_int8_blocks(weight.data_ptr(), N, K, q.data_ptr(), scales.data_ptr())
+        return (q, scales) if found else None
 
     def exact_q4_blocks(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The weight's exact Q4 blocks (reference.py) when it has that form, else None: one
         parallel pass that gives up soon after a group without it."""
-        if weight.dim() != 2 or not self._ok(weight) or not weight.is_contiguous() \
-                or weight.shape[1] % reference.EXACT_BLOCK:
+        if not self._block_input(weight):
             return None
         N, K = weight.shape
-        q = torch.empty(N, K // 2, dtype=torch.uint8)
-        dm = torch.empty(N, K // reference.EXACT_BLOCK, 2)
-        if not self.lib.pd_exact_q4_blocks(weight.data_ptr(), N, K, q.data_ptr(), dm.data_ptr(),
-                                           torch.get_num_threads()):
-            return None
-        return q, dm
+        q, dm = torch.empty(N, K // 2, dtype=torch.uint8), torch.empty(N, K // reference.EXACT_BLOCK, 2)
+        found = self.lib.pd_exact_q4_blocks(weight.data_ptr(), N, K, q.data_ptr(), dm.data_ptr(),
+                                            torch.get_num_threads())
+        return (q, dm) if found else None
+
+    def _linear_exact(self, name: str, c_product: Callable[..., int],
+                      unpack: Callable[[int, int, torch.Tensor], None], x: torch.Tensor, q: torch.Tensor,
+                      scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ W^T + bias for W held in exact blocks (`name` for errors): C up to the rows this
+        machine runs there, else BLAS on weights rebuilt a slice at a time by unpack(n0, n1, out)."""
+        if not self._in_c(x.shape[0]):
+            return self.sliced.matmul(x, q.shape[0], unpack, bias)
+        y = x.new_empty(x.shape[0], q.shape[0])
+        status = c_product(x.data_ptr(), q.data_ptr(), scales.data_ptr(), bias.data_ptr() if bias is not None else None,
+                           y.data_ptr(), x.shape[0], q.shape[0], x.shape[1], torch.get_num_threads())
+        if status == -2:
+            raise ValueError(f"{name}: rows of {x.shape[1]} weights are not whole blocks of 32")
+        if status != 0:
+            raise MemoryError("CPU linear: out of memory for the transposed activations")
+        return y
+
+    def _exact_input(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                     q_dtype: torch.dtype) -> bool:
+        """Whether the C products for exact blocks can read these tensors."""
+        return self._ok(x, scales, bias) and q.dtype == q_dtype and q.is_cpu \
+            and x.is_contiguous() and q.is_contiguous() and scales.is_contiguous()
+
+    def linear_exact_int8(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W^T + bias for W held in exact int8 blocks: the same results as pd_linear_f32 on W."""
+        if not self._exact_input(x, q, scales, bias, torch.int8):
+            return reference.linear_exact_int8(x, q, scales, bias)
+
+        def unpack(n0: int, n1: int, out: torch.Tensor) -> None:
+            out.copy_(reference.dequantize_exact_int8(q[n0:n1], scales[n0:n1]))
+        return self._linear_exact("exact int8 blocks", self.lib.pd_linear_exact_int8, unpack, x, q, scales, bias)
 
     def linear_exact_q4(self, x: torch.Tensor, q: torch.Tensor, dm: torch.Tensor,
                         bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W^T + bias for W held in exact Q4 blocks: the same results as pd_linear_f32 on W."""
-        if not self._ok(x, dm, bias) or q.dtype != torch.uint8 or not q.is_cpu \
-                or not (x.is_contiguous() and q.is_contiguous() and dm.is_contiguous()):
+        if not self._exact_input(x, q, dm, bias, torch.uint8):
             return reference.linear_exact_q4(x, q, dm, bias)
-        N, K = q.shape[0], q.shape[1] * 2
-        if not self._in_c(x.shape[0]):      # many rows: BLAS on the weights rebuilt a slice at a time
-            def unpack(n0: int, n1: int, out: torch.Tensor) -> None:
-                self.lib.pd_unpack_exact_q4(q[n0].data_ptr(), dm[n0].data_ptr(), out.data_ptr(), n1 - n0, K,
-                                            torch.get_num_threads())
-            return self.sliced.matmul(x, N, unpack, bias)
-        y = x.new_empty(x.shape[0], N)
-        status = self.lib.pd_linear_exact_q4(x.data_ptr(), q.data_ptr(), dm.data_ptr(),
-                                             bias.data_ptr() if bias is not None else None, y.data_ptr(),
-                                             x.shape[0], N, x.shape[1], torch.get_num_threads())
-        if status == -2:
-            raise ValueError(f"exact Q4 blocks: rows of {x.shape[1]} weights are not whole blocks of 32")
-        if status != 0:
-            raise MemoryError("CPU linear: out of memory for the transposed activations")
-        return y
+
+        def unpack(n0: int, n1: int, out: torch.Tensor) -> None:
+            self.lib.pd_unpack_exact_q4(q[n0].data_ptr(), dm[n0].data_ptr(), out.data_ptr(), n1 - n0,
+                                        q.shape[1] * 2, torch.get_num_threads())
+        return self._linear_exact("exact Q4 blocks", self.lib.pd_linear_exact_q4, unpack, x, q, dm, bias)
 
     def pack_int8(self, q: torch.Tensor, scales: torch.Tensor,
                   act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -67,23 +67,6 @@ def exact_blocks(N: int, K: int, seed: int = 0) -> tuple[torch.Tensor, torch.Ten
 # 0: a forward that samples no row (a prefill worker's); 1-3: a dot product a weight row at a time
 # (4 too on AVX-512); from there the strips; 145: past every build's fast rows (in C by chunks of
 # them, or BLAS on weights rebuilt a slice at a time).
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 8, 9, 24, 40, 48, 145])
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("many_in_c", [True, False])
-def test_exact_int8_blocks_give_the_fp32_products_bit_for_bit(ops, rows, bias, many_in_c, monkeypatch):
-    chose(monkeypatch, ops, "products", many_in_c)
-    w, q, scales = exact_blocks(83, 192, seed=rows)
-    found = ops.exact_int8_blocks(w)
-    assert found is not None and torch.equal(found[0], q) and torch.equal(found[1], scales)
-    x, b = rand(rows, 192, seed=1), rand(83, seed=2) if bias else None
-    got = ops.linear_exact_int8(x, *found, b)
-    if rows <= ops.fast_rows.limit or many_in_c:
-        assert torch.equal(got, ops.linear(x, w, b))
-    else:
-        torch.testing.assert_close(got, reference.linear(x, w, b), **TOL)
-    torch.testing.assert_close(got, reference.linear_exact_int8(x, q, scales, b), **TOL)
-
-
 def test_only_matrices_of_exact_blocks_are_held_as_them(ops):
     w = exact_blocks(8, 64)[0]
     assert ops.exact_int8_blocks(torch.zeros(4, 64)) is not None          # a block of zeros: scale 0
@@ -114,22 +97,31 @@ def exact_q4_blocks(N: int, K: int, seed: int = 0) -> tuple[torch.Tensor, torch.
     return w, reference.pack_int4(u.view(N, K)), torch.stack([d, m], dim=-1)
 
 
+# Each form of exact blocks: the matrix maker, the ops' search and product, the reference's rebuild.
+EXACT_FORMS = {
+    "int8": (exact_blocks, "exact_int8_blocks", "linear_exact_int8", reference.dequantize_exact_int8),
+    "q4": (exact_q4_blocks, "exact_q4_blocks", "linear_exact_q4", reference.dequantize_exact_q4),
+}
+
+
+@pytest.mark.parametrize("form", sorted(EXACT_FORMS))
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 8, 9, 24, 40, 48, 145])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("many_in_c", [True, False])
-def test_exact_q4_blocks_give_the_fp32_products_bit_for_bit(ops, rows, bias, many_in_c, monkeypatch):
+def test_exact_blocks_give_the_fp32_products_bit_for_bit(ops, form, rows, bias, many_in_c, monkeypatch):
+    make, find, product, rebuild = EXACT_FORMS[form]
     chose(monkeypatch, ops, "products", many_in_c)
-    w, q, dm = exact_q4_blocks(83, 192, seed=rows)
-    found = ops.exact_q4_blocks(w)
-    assert found is not None and torch.equal(found[0], q) and torch.equal(found[1], dm)
-    assert torch.equal(reference.dequantize_exact_q4(q, dm), w)
+    w, q, scales = make(83, 192, seed=rows)
+    found = getattr(ops, find)(w)
+    assert found is not None and torch.equal(found[0], q) and torch.equal(found[1], scales)
+    assert torch.equal(rebuild(q, scales), w)
     x, b = rand(rows, 192, seed=1), rand(83, seed=2) if bias else None
-    got = ops.linear_exact_q4(x, *found, b)
+    got = getattr(ops, product)(x, *found, b)
     if rows <= ops.fast_rows.limit or many_in_c:
         assert torch.equal(got, ops.linear(x, w, b))
     else:
         torch.testing.assert_close(got, reference.linear(x, w, b), **TOL)
-    torch.testing.assert_close(got, reference.linear_exact_q4(x, q, dm, b), **TOL)
+    torch.testing.assert_close(got, reference.linear(x, rebuild(q, scales), b), **TOL)
 
 
 def test_exact_q4_blocks_rebuild_for_blas_as_the_reference_does(ops):
