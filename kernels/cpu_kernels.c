@@ -449,23 +449,61 @@ static inline void unpack_u8_row(const uint8_t *wr, float scale, float *out, int
     for (int k = 0; k < K; k++) out[k] = scale * (float)((int)wr[k] - 128);
 }
 
-/* One row of exact blocks as its fp32 weights. */
+/* Rows of exact blocks as their fp32 weights, which the outer products' strips then broadcast from
+ * L1: by explicit vectors where the build has them. Left to vectorize the loops itself, GCC 12's
+ * tuning for a Sapphire Rapids took 128-bit vectors and a chain of widenings, 50 instructions a
+ * group of 32 nibbles where 16 bytes widen to 16 lanes in one; the unpacking was 18% of a 16-stream
+ * decode step (py-spy, 2-core Intel Xeon, AVX-512, 2026-12-04), half what the strips' arithmetic
+ * took. The same values either way: d * u is exact (u < 16, d an fp16 number), so a fused or a
+ * separate multiply-add rounds once. */
 static void unpack_q8_row(const int8_t *q, const float *s, float *out, int K) {
-    for (int k0 = 0; k0 < K; k0 += EXACT_BLOCK)
+    for (int g = 0; g < K / EXACT_BLOCK; g++) {
+        const int8_t *b = q + g * EXACT_BLOCK;
+        float *o = out + g * EXACT_BLOCK;
+#if defined(__AVX512F__)
+        __m512 scale = _mm512_set1_ps(s[g]);
+        for (int i = 0; i < EXACT_BLOCK; i += 16)
+            _mm512_storeu_ps(o + i, _mm512_mul_ps(scale, _mm512_cvtepi32_ps(
+                                        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + i))))));
+#elif defined(__AVX2__)
+        __m256 scale = _mm256_set1_ps(s[g]);
+        for (int i = 0; i < EXACT_BLOCK; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(scale, _mm256_cvtepi32_ps(
+                                        _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + i))))));
+#else
 #pragma omp simd
-        for (int k = k0; k < k0 + EXACT_BLOCK; k++) out[k] = s[k0 / EXACT_BLOCK] * (float)q[k];
+        for (int i = 0; i < EXACT_BLOCK; i++) o[i] = s[g] * (float)b[i];
+#endif
+    }
 }
 
-/* One row of exact Q4 blocks as its fp32 weights. */
+/* One row of exact Q4 blocks as its fp32 weights (weights 0-15 of a group the low nibbles of its
+ * 16 bytes, 16-31 the high ones). */
 static void unpack_q4x_row(const uint8_t *q, const float *dm, float *out, int K) {
     for (int g = 0; g < K / EXACT_BLOCK; g++) {
         const uint8_t *b = q + g * Q4X_GROUP_BYTES;
         float d = dm[2 * g], m = dm[2 * g + 1], *o = out + g * EXACT_BLOCK;
+#if defined(__AVX512F__)
+        __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b)), low = _mm512_set1_epi32(15);
+        __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(vd, _mm512_cvtepi32_ps(_mm512_and_si512(u, low)), vm));
+        _mm512_storeu_ps(o + Q4X_GROUP_BYTES, _mm512_fmadd_ps(vd, _mm512_cvtepi32_ps(_mm512_srli_epi32(u, 4)), vm));
+#elif defined(__AVX2__)
+        __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+        for (int i = 0; i < Q4X_GROUP_BYTES; i += 8) {
+            __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + i)));
+            __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(u, _mm256_set1_epi32(15)));
+            __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(u, 4));
+            _mm256_storeu_ps(o + i, _mm256_add_ps(_mm256_mul_ps(vd, lo), vm));     /* (AVX2 without FMA too) */
+            _mm256_storeu_ps(o + i + Q4X_GROUP_BYTES, _mm256_add_ps(_mm256_mul_ps(vd, hi), vm));
+        }
+#else
 #pragma omp simd
-        for (int i = 0; i < Q4X_GROUP_BYTES; i++) {         /* (d * u exact: one rounding either way) */
+        for (int i = 0; i < Q4X_GROUP_BYTES; i++) {
             o[i] = d * (float)(b[i] & 15) + m;
             o[i + Q4X_GROUP_BYTES] = d * (float)(b[i] >> 4) + m;
         }
+#endif
     }
 }
 

@@ -845,6 +845,10 @@ def test_a_256_bit_x86_build_matches_reference_here_too(tmp_path):
     for rows in (1, 4, 9, 24, 40):
         x, w = rand(rows, 197, seed=rows), rand(93, 197, seed=100 + rows)
         torch.testing.assert_close(ops.linear(x, w), reference.linear(x, w), **TOL)
+        for make, find, product, _ in EXACT_FORMS.values():       # their 256-bit rebuilds, bit for bit
+            w, _, _ = make(83, 192, seed=rows)
+            x = rand(rows, 192, seed=rows)
+            assert torch.equal(getattr(ops, product)(x, *getattr(ops, find)(w)), ops.linear(x, w))
     for qlens, clens, kv_heads, group, head_dim in [
         ([1, 3, 1, 2], [700, 301, 5, 129], 3, 3, 64),      # decodes and verifies: heads grouped
         ([1], [1500], 1, 12, 128),                         # a group in parts, keys split over threads
