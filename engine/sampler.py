@@ -8,11 +8,15 @@ batch holds other requests, and one request's bad numbers must end that request 
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+
+from pdchat.kernels.reference import NO_TOKEN, greedy
 
 from .config import SamplingParams
 
-NO_TOKEN = -1
+__all__ = ["NO_TOKEN", "draw", "draw_rows", "greedy", "sample", "target_probs", "usable"]
 
 
 def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -89,22 +93,14 @@ def draw_rows(probs: torch.Tensor, generators: list[torch.Generator | None]) -> 
     return picked.clamp_max(probs.shape[1] - 1)
 
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] -> each row's argmax [B] (on logits' device); NO_TOKEN for a row holding a NaN.
-    argmax takes a NaN as the largest value, so such a row picks a NaN: one pass, not three; and
-    no wait for the device (a decode graph runs this inside its replay: cuda_graphs.py)."""
-    best = logits.argmax(-1)
-    ok = ~torch.isnan(logits.gather(1, best.unsqueeze(1)).squeeze(1))
-    return best.masked_fill(~ok, NO_TOKEN)
-
-
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None], argmax: torch.Tensor | None = None) -> torch.Tensor:
+           generators: list[torch.Generator | None], argmax: torch.Tensor | None = None,
+           greedy_rows: Callable[[torch.Tensor], torch.Tensor] = greedy) -> torch.Tensor:
     """logits [B, V] -> token ids [B] (on logits' device); NO_TOKEN where a row is unusable.
     argmax: greedy(logits) already computed on the device (a decode graph's), taken when every
-    row is greedy."""
+    row is greedy; greedy_rows: the kernels' greedy (the same results) to compute it otherwise."""
     if all(p.greedy for p in params):
-        return argmax if argmax is not None else greedy(logits)
+        return argmax if argmax is not None else greedy_rows(logits)
     probs = target_probs(logits, params)
     ok = usable(probs)
     out = probs.argmax(-1).masked_fill(~ok, NO_TOKEN)

@@ -20,7 +20,7 @@ from .reference import paged_attention, store_kv
 OPS = ("store_kv", "paged_attention", "rms_norm", "add_rms_norm", "rope", "silu_mul",
        "linear", "linear_int8", "pack_int8", "unpack_int8", "int8_supported", "linear_int4",
        "exact_int8_blocks", "linear_exact_int8", "exact_q4_blocks", "linear_exact_q4", "prepare_layers",
-       "run_layers", "tile_seconds", "decode_forward")
+       "run_layers", "tile_seconds", "decode_forward", "greedy")
 BACKENDS = ("torch", "triton", "cpu")
 
 

@@ -196,6 +196,7 @@ _SIGNATURES = {
     "pd_paged_attention": ([_P, _L, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _P, _I], None),
     "pd_pool_counts": ([_P, _P], None),
     "pd_pool_spin": ([_I], None),
+    "pd_greedy": ([_P, _P, _I, _I, _I], None),
     "pd_layers": ([_P, _F, _P, _P, _P, _P, _P, _P, _P, _P, _L, _P, _I, _P, _P, _I, _I, _F, _I, _I, _P], _I),
 }
 PTRS_PER_LAYER = 16        # pd_layers: qkv (weight, scales, bias), q/k norm, o (3), norm, gate_up (3), down (3), norm
@@ -423,6 +424,15 @@ class CpuKernels(CpuProducts):
             raise MemoryError("CPU layers: out of memory for the activations")
         self._tile_seconds = self._tile_clock.value
         return True
+
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """reference.greedy in C: each row's first largest value, NO_TOKEN for a row with a NaN."""
+        if not (logits.dim() == 2 and self._ok(logits) and logits.is_contiguous() and logits.shape[1] > 0):
+            return reference.greedy(logits)
+        out = torch.empty(logits.shape[0], dtype=torch.long)
+        self.lib.pd_greedy(logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.shape[1],
+                           torch.get_num_threads())
+        return out
 
     def tile_seconds(self) -> float | None:
         """Seconds the last forward spent in the attention of sequences of several queries (the

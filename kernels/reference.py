@@ -18,6 +18,19 @@ import torch
 import torch.nn.functional as F
 
 
+NO_TOKEN = -1      # a row's token where its logits are unusable (the engine's sampler fails that request alone)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] -> each row's argmax [B] (int64, on logits' device: the first of equal
+    largest values); NO_TOKEN for a row holding a NaN. argmax takes a NaN as the largest value, so
+    such a row picks a NaN: one pass, not three; and no wait for the device (a decode graph runs
+    this inside its replay: engine/cuda_graphs.py)."""
+    best = logits.argmax(-1)
+    ok = ~torch.isnan(logits.gather(1, best.unsqueeze(1)).squeeze(1))
+    return best.masked_fill(~ok, NO_TOKEN)
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write rows k[t], v[t] ([T, kv_heads, head_dim]) to slot slot_mapping[t]; slot -1 is skipped."""

@@ -49,10 +49,10 @@ def poisoned_sampling(monkeypatch) -> float:
     from pdchat.engine import engine as engine_module
     from pdchat.engine.sampler import sample
 
-    def poisoned(logits, params, generators, argmax=None):
+    def poisoned(logits, params, generators, argmax=None, **kernels_greedy):
         rows = [row for row, p in enumerate(params) if p.temperature == POISON_TEMPERATURE]
         if not rows:
-            return sample(logits, params, generators, argmax)
+            return sample(logits, params, generators, argmax, **kernels_greedy)
         logits = logits.clone()
         logits[rows] = float("nan")
         return sample(logits, params, generators)       # (a graph's argmax is of the logits before)

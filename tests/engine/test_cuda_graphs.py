@@ -79,11 +79,13 @@ def test_greedy_rows_take_the_token_their_replay_picked_and_sampled_rows_still_s
     import pdchat.engine.engine as engine_module
     import pdchat.engine.sampler as sampler
     picked, drawn = [], []              # host-side argmaxes; sample() calls that drew at random
-    real_greedy, real_draw = sampler.greedy, sampler.draw_rows
-    monkeypatch.setattr(sampler, "greedy", lambda logits: picked.append(logits.shape[0]) or real_greedy(logits))
+    real_draw = sampler.draw_rows
     monkeypatch.setattr(sampler, "draw_rows", lambda probs, g: drawn.append(probs.shape[0]) or real_draw(probs, g))
     assert engine_module.sample is sampler.sample
     with _engine(kernels=BOOKKEEPING_KERNELS) as engine:
+        ops = engine.runner.model.ops         # (the kernels' greedy: what sample() runs on the host)
+        real_greedy = ops.greedy
+        monkeypatch.setattr(ops, "greedy", lambda logits: picked.append(logits.shape[0]) or real_greedy(logits))
         steps, run_step = [], engine.runner.run_step
         engine.runner.run_step = lambda *a: steps.append(run_step(*a)) or steps[-1]
         with_graphs = _greedy(engine, n=6)

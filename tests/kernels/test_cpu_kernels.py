@@ -947,3 +947,25 @@ def test_every_x86_int8_path_compiles_even_where_this_cpu_cannot_run_it(tmp_path
     if shutil.which("objdump"):
         asm = subprocess.run(["objdump", "-d", str(out)], capture_output=True, text=True).stdout
         assert ("vpdpbusd" if "vnni" in path else "vpmaddubsw") in asm      # the path's own instruction
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 49152), (16, 49152), (3, 37), (5, 1)])
+def test_the_greedy_pick_is_the_references_row_for_row(ops, rows, vocab):
+    """Each row's first largest logit, NO_TOKEN where the row holds a NaN, whatever else it holds:
+    ties (the first wins), infinities, a row of -inf only, rows big enough to go on the pool."""
+    logits = rand(rows, vocab, seed=rows)
+    if vocab > 1:
+        logits[0, vocab // 2] = logits[0, vocab - 1] = logits[0].max() + 1     # a tie: the first wins
+    if rows > 1:
+        logits[1, vocab - 1] = float("nan")
+    if rows > 2:
+        logits[2] = float("-inf")
+        if vocab > 4:
+            logits[2, 3] = float("inf")
+    got = ops.greedy(logits)
+    assert got.dtype == torch.long and torch.equal(got, reference.greedy(logits))
+    if vocab > 1:
+        assert got[0] == vocab // 2
+    if rows > 1:
+        assert got[1] == reference.NO_TOKEN
+    assert torch.equal(ops.greedy(logits[:, ::2]), reference.greedy(logits[:, ::2]))   # not contiguous: torch's
