@@ -452,9 +452,9 @@ static inline void unpack_u8_row(const uint8_t *wr, float scale, float *out, int
 /* Rows of exact blocks as their fp32 weights, which the outer products' strips then broadcast from
  * L1: by explicit vectors where the build has them. Left to vectorize the loops itself, GCC 12's
  * tuning for a Sapphire Rapids took 128-bit vectors and a chain of widenings, 50 instructions a
- * group of 32 nibbles where 16 bytes widen to 16 lanes in one; the unpacking was 18% of a 16-stream
- * decode step (py-spy, 2-core Intel Xeon, AVX-512, 2026-12-04), half what the strips' arithmetic
- * took. The same values either way: d * u is exact (u < 16, d an fp16 number), so a fused or a
+ * group of 32 nibbles where 16 bytes widen to 16 lanes in one; the unpacking took 18% of the
+ * stepping thread's samples in a 16-stream decode (py-spy, 2-core Intel Xeon, AVX-512,
+ * 2026-12-04), half what the strips' arithmetic took. The same values either way: d * u is exact (u < 16, d an fp16 number), so a fused or a
  * separate multiply-add rounds once. */
 static void unpack_q8_row(const int8_t *q, const float *s, float *out, int K) {
     for (int g = 0; g < K / EXACT_BLOCK; g++) {
@@ -763,11 +763,12 @@ static void outer_rows(const void *p, int lo, int hi) {
  * outgrow L2 and every weight block re-reads them from further out. On a 2-core AMD EPYC (Zen 5,
  * AVX-512, 2026-12-02) the default model's products of 1,728 rows ran at 240-360 GF/s by 48 rows,
  * 230-320 all at once; MKL there, 140-170. Each row's sums are the same whatever its chunk.
- * Weight rows go out in chunks of about an eighth of a thread's share: with a quarter, the thread
- * that took the last chunk left the other waiting, and on a 2-core Intel Xeon (AVX-512,
- * 2026-12-04) the default model's 30 layers of 48-row products took 38.4-38.5 ms against
+ * Weight rows go out in chunks of about an eighth of a thread's share rather than a quarter, so
+ * that less of a product's end falls to one thread: on a 2-core Intel Xeon (AVX-512, 2026-12-04)
+ * the default model's 30 layers of 48-row products took 38.4-38.5 ms with quarters against
  * 33.3-34.9 with eighths, 32 rows 28.3-29.4 against 25.4-29.0 (alternating builds; sixteenths no
- * faster; 256-bit builds not measured). Returns -1 if out of memory. */
+ * faster; 256-bit builds not measured); with eighths the caller waited for the other thread 2.7%
+ * of its products' time in a 16-stream decode. Returns -1 if out of memory. */
 static int outer_product(const float *x, const float *w, const uint8_t *u8, const int8_t *q8, const uint8_t *q4,
                          const float *scales, const float *bias, float *y, int M, int N, int K, int threads) {
     int rows = M < FAST_ROWS ? M : FAST_ROWS, failed = 0;
