@@ -158,7 +158,7 @@ class QuantLinear(nn.Module):
         exact = self.quantized.get("none")
         if self.weight is not None or exact is None:
             return self.weight
-        return dequantize_exact(*exact)
+        return dequantize_exact(exact.fmt, *exact_rows(*exact))
 
     def running(self) -> Quantized | None:
         """The stored form the next forward multiplies by: the switch mode's, else the exact blocks
@@ -194,8 +194,15 @@ class QuantLinear(nn.Module):
         return ops.linear_int8(x, got.weight, got.scales, self.bias)
 
 
+def exact_rows(fmt: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A matrix's exact blocks in their rows' layout (exact Q4 blocks are held in one or two
+    layouts, reference.py; exact int8 blocks in that one)."""
+    return reference.exact_q4_rows(a, b) if fmt == EXACT_Q4 else (a, b)
+
+
 def dequantize_exact(fmt: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The fp32 weights (rows of them) of a matrix held in exact blocks of either form."""
+    """The fp32 weights (rows of them) of a matrix held in exact blocks of either form, in their
+    rows' layout (exact_rows)."""
     if fmt == EXACT_Q4:
         return reference.dequantize_exact_q4(a, b)
     return reference.dequantize_exact_int8(a, b)
@@ -218,7 +225,8 @@ class QuantEmbedding(QuantLinear):
         if fmt == "int4":
             return reference.dequantize_int4(a[ids], b[ids], self.dtype)
         if fmt in (EXACT_INT8, EXACT_Q4):
-            return dequantize_exact(fmt, a[ids], b[ids])
+            rows, params = exact_rows(fmt, a, b)
+            return dequantize_exact(fmt, rows[ids], params[ids])
         q, s = self.switch.ops.unpack_int8(a[ids], b[ids])
         return q.to(self.dtype) * s.to(self.dtype)[:, None]
 
@@ -375,6 +383,9 @@ def decode_read_bytes(model: nn.Module) -> int:
     total = 0
     for m in step_linears(model):
         weight, scales, bias = m.active_weights()
+        got = m.running()
+        if got is not None:          # (exact Q4 blocks by panels too: a decode reads the rows')
+            weight, scales = exact_rows(got.fmt, weight, scales)
         for t in (weight, scales, bias):
             if t is not None:
                 total += t.numel() * t.element_size()

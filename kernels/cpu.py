@@ -183,6 +183,8 @@ _SIGNATURES = {
     "pd_exact_q4_blocks": ([_P, _L, _I, _P, _P, _I], _I),
     "pd_linear_exact_q4": ([_P, _P, _P, _P, _P, _I, _I, _I, _I], _I),
     "pd_unpack_exact_q4": ([_P, _P, _P, _I, _I, _I], None),
+    "pd_q4_panels": ([_I], _I),
+    "pd_exact_q4_panels": ([_P, _P, _I, _I, _P, _P, _I], _I),
     "pd_linear_q4": ([_P, _P, _P, _P, _P, _I, _I, _I, _I], _I),
     "pd_unpack_q4": ([_P, _P, _P, _I, _I, _I], None),
     "pd_unpack_u8": ([_P, _P, _P, _I, _I, _I], None),

@@ -39,14 +39,16 @@ def weight_format(weight: torch.Tensor, scales: torch.Tensor | None) -> int | No
     if weight.dtype == torch.uint8 and weight.dim() == 2:
         if scales.dim() == 1 and scales.dtype == fp32:
             return WEIGHTS_INT8
-        if scales.dim() == 3:
-            return {torch.bfloat16: WEIGHTS_INT4, fp32: WEIGHTS_EXACT_Q4}.get(scales.dtype)
+        if scales.dim() == 3 and scales.dtype == torch.bfloat16:
+            return WEIGHTS_INT4
+    if weight.dtype == torch.uint8 and weight.dim() == 3 and scales.dim() == 4 and scales.dtype == fp32:
+        return WEIGHTS_EXACT_Q4                   # (as exact_q4_blocks holds them: C reads the layouts)
     return None
 
 
 def weight_columns(weight: torch.Tensor, fmt: int) -> int:
     """A matrix's width (its K) in a stored form: nibble forms hold two weights a byte."""
-    return weight.shape[1] * (2 if fmt in (WEIGHTS_INT4, WEIGHTS_EXACT_Q4) else 1)
+    return weight.shape[-1] * (2 if fmt in (WEIGHTS_INT4, WEIGHTS_EXACT_Q4) else 1)
 
 
 class SlicedBlas:
@@ -180,21 +182,27 @@ class CpuProducts:
         if not self._block_input(weight):
             return None
         N, K = weight.shape
-        q, dm = torch.empty(N, K // 2, dtype=torch.uint8), torch.empty(N, K // reference.EXACT_BLOCK, 2)
-        found = self.lib.pd_exact_q4_blocks(weight.data_ptr(), N, K, q.data_ptr(), dm.data_ptr(),
-                                            torch.get_num_threads())
-        return (q, dm) if found else None
+        layouts = 2 if self.lib.pd_q4_panels(N) else 1      # the rows', then by panels where C has them
+        q = torch.empty(layouts, N, K // 2, dtype=torch.uint8)
+        dm = torch.empty(layouts, N, K // reference.EXACT_BLOCK, 2)
+        threads = torch.get_num_threads()
+        if not self.lib.pd_exact_q4_blocks(weight.data_ptr(), N, K, q.data_ptr(), dm.data_ptr(), threads):
+            return None
+        if layouts == 2:
+            self.lib.pd_exact_q4_panels(q.data_ptr(), dm.data_ptr(), N, K, q[1].data_ptr(), dm[1].data_ptr(), threads)
+        return q, dm
 
     def _linear_exact(self, name: str, c_product: Callable[..., int],
                       unpack: Callable[[int, int, torch.Tensor], None], x: torch.Tensor, q: torch.Tensor,
                       scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ W^T + bias for W held in exact blocks (`name` for errors): C up to the rows this
         machine runs there, else BLAS on weights rebuilt a slice at a time by unpack(n0, n1, out)."""
+        N = q.shape[-2]
         if not self._in_c(x.shape[0]):
-            return self.sliced.matmul(x, q.shape[0], unpack, bias)
-        y = x.new_empty(x.shape[0], q.shape[0])
+            return self.sliced.matmul(x, N, unpack, bias)
+        y = x.new_empty(x.shape[0], N)
         status = c_product(x.data_ptr(), q.data_ptr(), scales.data_ptr(), bias.data_ptr() if bias is not None else None,
-                           y.data_ptr(), x.shape[0], q.shape[0], x.shape[1], torch.get_num_threads())
+                           y.data_ptr(), x.shape[0], N, x.shape[1], torch.get_num_threads())
         if status == -2:
             raise ValueError(f"{name}: rows of {x.shape[1]} weights are not whole blocks of 32")
         if status != 0:
@@ -219,13 +227,16 @@ class CpuProducts:
 
     def linear_exact_q4(self, x: torch.Tensor, q: torch.Tensor, dm: torch.Tensor,
                         bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ W^T + bias for W held in exact Q4 blocks: the same results as pd_linear_f32 on W."""
-        if not self._exact_input(x, q, dm, bias, torch.uint8):
+        """x @ W^T + bias for W held in exact Q4 blocks (as exact_q4_blocks holds them: [layouts, N,
+        K / 2] and [layouts, N, K / 32, 2]): the same results as pd_linear_f32 on W."""
+        if not self._exact_input(x, q, dm, bias, torch.uint8) or q.dim() != 3 \
+                or q.shape[0] != (2 if self.lib.pd_q4_panels(q.shape[1]) else 1):
             return reference.linear_exact_q4(x, q, dm, bias)
+        rows, row_params = q[0], dm[0]
 
         def unpack(n0: int, n1: int, out: torch.Tensor) -> None:
-            self.lib.pd_unpack_exact_q4(q[n0].data_ptr(), dm[n0].data_ptr(), out.data_ptr(), n1 - n0,
-                                        q.shape[1] * 2, torch.get_num_threads())
+            self.lib.pd_unpack_exact_q4(rows[n0].data_ptr(), row_params[n0].data_ptr(), out.data_ptr(), n1 - n0,
+                                        rows.shape[1] * 2, torch.get_num_threads())
         return self._linear_exact("exact Q4 blocks", self.lib.pd_linear_exact_q4, unpack, x, q, dm, bias)
 
     def pack_int8(self, q: torch.Tensor, scales: torch.Tensor,

@@ -233,9 +233,11 @@ def linear_exact_int8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
 
 
 # Exact Q4 blocks: an fp32 matrix whose every 32 weights of a row are d * u + m with u in 0..15 and
-# d * u exact in fp32 (a GGUF Q4_1 matrix read as fp32), held as (nibbles uint8 [N, K / 2] in the
-# int4 layout below, (d, m) fp32 [N, K / 32, 2]): 0.75 bytes a weight. As for exact int8 blocks,
-# this backend never finds the form (`exact_q4_blocks`); the C one does.
+# d * u exact in fp32 (a GGUF Q4_1 matrix read as fp32), held as (nibbles uint8 [layouts, N, K / 2],
+# (d, m) fp32 [layouts, N, K / 32, 2]): 0.75 bytes a weight a layout. Layout 0 is by rows (the
+# nibbles in the int4 layout below); a backend may hold the same blocks a second time in a layout
+# of its own (the C one: by panels of outputs, for products of a few rows). As for exact int8
+# blocks, this backend never finds the form (`exact_q4_blocks`); the C one does.
 def exact_q4_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return None
 
@@ -250,15 +252,25 @@ def q4_1_weights(w: torch.Tensor) -> torch.Tensor:
     return (u * d[:, None] + low[:, None]).view_as(w)
 
 
+def exact_q4_rows(q: torch.Tensor, dm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact Q4 blocks as held (above) in their rows' layout: q [N, K / 2], dm [N, K / 32, 2]."""
+    if q.dim() != 3 or dm.dim() != 4:
+        raise ValueError(f"exact Q4 blocks are held as [layouts, N, K / 2] and [layouts, N, K / 32, 2], "
+                         f"not {tuple(q.shape)} and {tuple(dm.shape)}")
+    return q[0], dm[0]
+
+
 def dequantize_exact_q4(q: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
-    """The fp32 weights of exact Q4 blocks (rows of them: an embedding's lookups too)."""
+    """The fp32 weights of exact Q4 blocks in their rows' layout (exact_q4_rows; rows of them: an
+    embedding's lookups too)."""
     u = unpack_int4(q).float().unflatten(-1, (-1, EXACT_BLOCK))
     return (u * dm[..., :1] + dm[..., 1:]).flatten(-2)       # (d * u exact: one rounding, as in C)
 
 
 def linear_exact_q4(x: torch.Tensor, q: torch.Tensor, dm: torch.Tensor,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    return linear(x, dequantize_exact_q4(q, dm).to(x.dtype), bias)
+    """x @ W^T + bias for W held in exact Q4 blocks (as held, above)."""
+    return linear(x, dequantize_exact_q4(*exact_q4_rows(q, dm)).to(x.dtype), bias)
 
 
 def int8_supported(device: torch.device) -> bool:
