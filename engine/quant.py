@@ -101,6 +101,7 @@ class Quantized(NamedTuple):
     fmt: str                 # int8 | int4 | exact-int8 | exact-q4
     weight: torch.Tensor     # int8: packed by the backend; int4, exact-q4: packed nibbles; exact-int8: int8
     scales: torch.Tensor     # int8: per row; int4: bf16 (d, m) per group; exact-int8: per 32; exact-q4: fp32 (d, m)
+    # (exact forms: by layouts, the rows' first, reference.py)
 
 
 class QuantLinear(nn.Module):
@@ -158,7 +159,7 @@ class QuantLinear(nn.Module):
         exact = self.quantized.get("none")
         if self.weight is not None or exact is None:
             return self.weight
-        return dequantize_exact(exact.fmt, *exact_rows(*exact))
+        return dequantize_exact(exact.fmt, *reference.exact_rows(exact.weight, exact.scales))
 
     def running(self) -> Quantized | None:
         """The stored form the next forward multiplies by: the switch mode's, else the exact blocks
@@ -194,15 +195,9 @@ class QuantLinear(nn.Module):
         return ops.linear_int8(x, got.weight, got.scales, self.bias)
 
 
-def exact_rows(fmt: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A matrix's exact blocks in their rows' layout (exact Q4 blocks are held in one or two
-    layouts, reference.py; exact int8 blocks in that one)."""
-    return reference.exact_q4_rows(a, b) if fmt == EXACT_Q4 else (a, b)
-
-
 def dequantize_exact(fmt: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The fp32 weights (rows of them) of a matrix held in exact blocks of either form, in their
-    rows' layout (exact_rows)."""
+    rows' layout (reference.exact_rows)."""
     if fmt == EXACT_Q4:
         return reference.dequantize_exact_q4(a, b)
     return reference.dequantize_exact_int8(a, b)
@@ -225,7 +220,7 @@ class QuantEmbedding(QuantLinear):
         if fmt == "int4":
             return reference.dequantize_int4(a[ids], b[ids], self.dtype)
         if fmt in (EXACT_INT8, EXACT_Q4):
-            rows, params = exact_rows(fmt, a, b)
+            rows, params = reference.exact_rows(a, b)
             return dequantize_exact(fmt, rows[ids], params[ids])
         q, s = self.switch.ops.unpack_int8(a[ids], b[ids])
         return q.to(self.dtype) * s.to(self.dtype)[:, None]
@@ -384,8 +379,8 @@ def decode_read_bytes(model: nn.Module) -> int:
     for m in step_linears(model):
         weight, scales, bias = m.active_weights()
         got = m.running()
-        if got is not None:          # (exact Q4 blocks by panels too: a decode reads the rows')
-            weight, scales = exact_rows(got.fmt, weight, scales)
+        if got is not None and got.fmt in (EXACT_INT8, EXACT_Q4):   # (by panels too: a decode reads the rows')
+            weight, scales = reference.exact_rows(weight, scales)
         for t in (weight, scales, bias):
             if t is not None:
                 total += t.numel() * t.element_size()

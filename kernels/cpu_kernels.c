@@ -886,118 +886,145 @@ int pd_linear_f32(const float *x, const float *w, const float *bias, float *y, i
     return 0;
 }
 
-/* ---- exact Q4 blocks by panels: products of a few rows that rebuild weights in registers ---- */
+/* ---- exact blocks by panels: products of a few rows that rebuild weights in registers ---- */
 
 /* The outer-product strips rebuild a block of weight rows into L1 and broadcast each weight from
  * there: per weight a store, a reload and a broadcast beside the 16 rows' multiply-adds, and 16
  * rows' strips are bound by those loads (9 to 8 multiply-adds). Held a second time by panels of
- * Q4_PANEL outputs, k-major, the nibbles of one k for a panel's outputs are one load: they widen
- * to a vector of the panel's weights at that k (one fused multiply-add rebuilds them, d * u + m,
- * exact), which multiplies each activation row's x[k], broadcast. The sums are the strips': each
- * output's sum adds its k in order with a fused multiply-add from zero, then the bias, so a row's
- * result is the same bits either way (tested against the fp32 products). On a 2-core Intel Xeon
- * (AVX-512, 2026-12-04; the default model's 30 layers, distinct weights, two threads) 5 rows took
- * 9.6 ms against the strips' 15.0, 8 rows 11.3 against 15.3, 16 rows 15.8 against 21.1, 24 rows
- * 23.5 against 28.8, 32 rows 26.5 against 30.1 and 48 rows 39.5 against 38.4 (one thread: 16 rows
- * 24 against 32-37). A tile keeps 16 rows' sums in registers (24 spilled: 85 ms against 38 at 24
- * rows, one thread). The layout: per panel and group of 32 k, 16 pairs of k, each Q4_PANEL bytes
- * (output j's byte: its weight at the pair's first k in the low nibble, the second's in the high
- * one), then the group's d of the panel's outputs and their m (fp32, 2 x Q4_PANEL). The same 6
- * bits a weight; the rows' own layout stays for the decode rows and for BLAS. */
+ * PANEL outputs, k-major, the integers of one k for a panel's outputs are one load: they widen to
+ * a vector of the panel's weights at that k (rebuilt as the strips rebuild them: d * u + m for Q4,
+ * s * q for int8, exact either way), which multiplies each activation row's x[k], broadcast. The
+ * sums are the strips': each output's sum adds its k in order with a fused multiply-add from zero,
+ * then the bias, so a row's result is the same bits either way (tested against the fp32
+ * products). On a 2-core Intel Xeon (AVX-512, 2026-12-04; the default model's 30 layers of exact
+ * Q4 blocks, distinct weights, two threads) 5 rows took 9.6 ms against the strips' 15.0, 8 rows
+ * 11.3 against 15.3, 16 rows 15.8 against 21.1, 24 rows 23.5 against 28.8, 32 rows 26.5 against
+ * 30.1 and 48 rows 39.5 against 38.4 (one thread: 16 rows 24 against 32-37). A tile keeps 16 rows'
+ * sums in registers (24 spilled: 85 ms against 38 at 24 rows, one thread). The layouts, per panel
+ * and group of 32 k: Q4, 16 pairs of k, PANEL bytes each (output j's byte: its weight at the
+ * pair's first k in the low nibble, the second's in the high one), then the group's d of the
+ * panel's outputs and their m (fp32, 2 x PANEL); int8, 32 k of PANEL integers each, then the
+ * outputs' scales. The same bytes as the rows' layout, which stays for the decode rows and BLAS. */
 #ifdef __AVX512F__
-#define Q4_PANEL 16
+#define PANEL 16
 #define PANEL_TILE_ROWS 16
 #endif
 
-/* Whether an exact Q4 matrix of N rows is held by panels too (pd_exact_q4_panels): where this
+/* Whether a matrix of exact blocks with N rows is held by panels too (pd_exact_panels): where this
  * build multiplies by them, and N fills whole panels. */
-static int q4_has_panels(int N) {
-#ifdef Q4_PANEL
-    return N % Q4_PANEL == 0;
+static int has_panels(int N) {
+#ifdef PANEL
+    return N % PANEL == 0;
 #else
     (void)N;
     return 0;
 #endif
 }
 
-int pd_q4_panels(int N) { return q4_has_panels(N); }
+int pd_exact_panels(int N) { return has_panels(N); }
 
-#ifdef Q4_PANEL
-struct q4_panel_job { const uint8_t *q; const float *dm; uint8_t *qp; float *dmp; int K; };
+#ifdef PANEL
+/* The bytes of a panel's group of 32 k and its floats (scales, or (d, m)) in a form's layout. */
+#define GROUP_BYTES(form) ((form) == FORM_Q4 ? EXACT_BLOCK / 2 * PANEL : EXACT_BLOCK * PANEL)
+#define GROUP_FLOATS(form) ((form) == FORM_Q4 ? 2 * PANEL : PANEL)
 
-/* Panels [lo, hi) of pd_exact_q4_panels. */
-static void q4_panel_fill(const void *a, int lo, int hi) {
-    const struct q4_panel_job *j = a;
-    int K = j->K, G = K / EXACT_BLOCK;
+struct panel_fill_job { const uint8_t *rows; const float *params; uint8_t *bytes; float *floats; int K, form; };
+
+/* Panels [lo, hi) of pd_exact_panels_of. */
+static void panel_fill(const void *a, int lo, int hi) {
+    const struct panel_fill_job *j = a;
+    int K = j->K, G = K / EXACT_BLOCK, q4 = j->form == FORM_Q4;
     for (int p = lo; p < hi; p++)
         for (int g = 0; g < G; g++) {
-            uint8_t *o = j->qp + ((int64_t)p * G + g) * (EXACT_BLOCK / 2) * Q4_PANEL;
-            float *po = j->dmp + ((int64_t)p * G + g) * 2 * Q4_PANEL;
-            for (int i = 0; i < Q4_PANEL; i++) {
-                int64_t n = (int64_t)p * Q4_PANEL + i;
-                const uint8_t *b = j->q + n * (K / 2) + g * Q4X_GROUP_BYTES;   /* the rows' layout */
-                po[i] = j->dm[(n * G + g) * 2];
-                po[Q4_PANEL + i] = j->dm[(n * G + g) * 2 + 1];
+            uint8_t *o = j->bytes + ((int64_t)p * G + g) * GROUP_BYTES(j->form);
+            float *f = j->floats + ((int64_t)p * G + g) * GROUP_FLOATS(j->form);
+            for (int i = 0; i < PANEL; i++) {
+                int64_t n = (int64_t)p * PANEL + i;
+                if (!q4) {
+                    f[i] = j->params[n * G + g];
+                    for (int k = 0; k < EXACT_BLOCK; k++) o[k * PANEL + i] = j->rows[n * K + g * EXACT_BLOCK + k];
+                    continue;
+                }
+                const uint8_t *b = j->rows + n * (K / 2) + g * Q4X_GROUP_BYTES;    /* weights 0-15 low nibbles, 16-31 high */
+                f[i] = j->params[(n * G + g) * 2];
+                f[PANEL + i] = j->params[(n * G + g) * 2 + 1];
                 for (int pair = 0; pair < EXACT_BLOCK / 2; pair++) {
-                    int k0 = 2 * pair, k1 = k0 + 1;     /* weights 0-15 low nibbles, 16-31 high */
+                    int k0 = 2 * pair, k1 = k0 + 1;
                     int u0 = k0 < Q4X_GROUP_BYTES ? b[k0] & 15 : b[k0 - Q4X_GROUP_BYTES] >> 4;
                     int u1 = k1 < Q4X_GROUP_BYTES ? b[k1] & 15 : b[k1 - Q4X_GROUP_BYTES] >> 4;
-                    o[pair * Q4_PANEL + i] = (uint8_t)(u0 | u1 << 4);
+                    o[pair * PANEL + i] = (uint8_t)(u0 | u1 << 4);
                 }
             }
         }
 }
 #endif
 
-/* An exact Q4 matrix's panels (qp: N x K / 2 bytes, dmp: N x K / 16 floats) from its rows' layout
- * (q [N, K / 2], dm [N, K / 32, 2]); -1 where it has none (q4_has_panels). */
-int pd_exact_q4_panels(const uint8_t *q, const float *dm, int N, int K, uint8_t *qp, float *dmp, int threads) {
-    if (!q4_has_panels(N) || K % EXACT_BLOCK) return -1;
-#ifdef Q4_PANEL
-    struct q4_panel_job job = {q, dm, qp, dmp, K};
-    parallel_rows(q4_panel_fill, &job, N / Q4_PANEL, 16, threads);
+/* A matrix's exact blocks by panels (bytes and floats as many as its rows' layout holds) from the
+ * rows' layout (rows and params); -1 where it has none (has_panels). */
+static int exact_panels_of(const void *rows, const float *params, int N, int K, void *bytes, float *floats,
+                           int form, int threads) {
+    if (!has_panels(N) || K % EXACT_BLOCK) return -1;
+#ifdef PANEL
+    struct panel_fill_job job = {rows, params, bytes, floats, K, form};
+    parallel_rows(panel_fill, &job, N / PANEL, 16, threads);
 #else
-    (void)q, (void)dm, (void)qp, (void)dmp, (void)threads;
+    (void)rows, (void)params, (void)bytes, (void)floats, (void)form, (void)threads;
 #endif
     return 0;
 }
 
-#ifdef Q4_PANEL
-struct panel_job { const float *x; const uint8_t *qp; const float *dmp; const float *bias; float *y; int M, N, K; };
+int pd_exact_q4_panels(const uint8_t *q, const float *dm, int N, int K, uint8_t *qp, float *dmp, int threads) {
+    return exact_panels_of(q, dm, N, K, qp, dmp, FORM_Q4, threads);
+}
 
-/* Panel p against activation rows [m0, m0 + R) (R constant once inlined: its sums in registers). */
-INLINE void q4_panel_tile(const struct panel_job *j, int p, int m0, const int R) {
+int pd_exact_int8_panels(const int8_t *q, const float *s, int N, int K, int8_t *qp, float *sp, int threads) {
+    return exact_panels_of(q, s, N, K, qp, sp, FORM_Q8, threads);
+}
+
+#ifdef PANEL
+struct panel_job { const float *x; const uint8_t *bytes; const float *floats, *bias; float *y; int M, N, K; };
+
+/* Panel p against activation rows [m0, m0 + R) (R and form constants once inlined: the sums in
+ * registers). */
+INLINE void panel_tile(const struct panel_job *j, int p, int m0, const int R, const int form) {
     int G = j->K / EXACT_BLOCK, K = j->K;
     __m512 acc[PANEL_TILE_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    const uint8_t *nibbles = j->qp + (int64_t)p * G * (EXACT_BLOCK / 2) * Q4_PANEL;
-    const float *params = j->dmp + (int64_t)p * G * 2 * Q4_PANEL;
-    const float *x = j->x + (int64_t)m0 * K;
+    const uint8_t *bytes = j->bytes + (int64_t)p * G * GROUP_BYTES(form);
+    const float *floats = j->floats + (int64_t)p * G * GROUP_FLOATS(form), *x = j->x + (int64_t)m0 * K;
     __m512i low = _mm512_set1_epi32(15);
     for (int g = 0; g < G; g++) {
-        __m512 d = _mm512_loadu_ps(params + g * 2 * Q4_PANEL), m = _mm512_loadu_ps(params + g * 2 * Q4_PANEL + Q4_PANEL);
-        const uint8_t *b = nibbles + g * (EXACT_BLOCK / 2) * Q4_PANEL;
+        const uint8_t *b = bytes + g * GROUP_BYTES(form);
+        const float *f = floats + g * GROUP_FLOATS(form), *xg = x + g * EXACT_BLOCK;
+        __m512 d = _mm512_loadu_ps(f), m = form == FORM_Q4 ? _mm512_loadu_ps(f + PANEL) : d;
         for (int pair = 0; pair < EXACT_BLOCK / 2; pair++) {
-            __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + pair * Q4_PANEL)));
-            __m512 w0 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(u, low)), m);
-            __m512 w1 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(u, 4)), m);
-            const float *xk = x + g * EXACT_BLOCK + 2 * pair;
+            __m128i in0 = _mm_loadu_si128((const __m128i *)(b + pair * (form == FORM_Q4 ? 1 : 2) * PANEL));
+            __m512 w0, w1;
+            if (form == FORM_Q4) {
+                __m512i u = _mm512_cvtepu8_epi32(in0);
+                w0 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(u, low)), m);
+                w1 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(u, 4)), m);
+            } else {
+                __m128i in1 = _mm_loadu_si128((const __m128i *)(b + (2 * pair + 1) * PANEL));
+                w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(in0)));
+                w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(in1)));
+            }
+            const float *xk = xg + 2 * pair;
             for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xk[(int64_t)r * K]), acc[r]);
             for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(w1, _mm512_set1_ps(xk[(int64_t)r * K + 1]), acc[r]);
         }
     }
-    __m512 bias = j->bias ? _mm512_loadu_ps(j->bias + p * Q4_PANEL) : _mm512_setzero_ps();
+    __m512 bias = j->bias ? _mm512_loadu_ps(j->bias + p * PANEL) : _mm512_setzero_ps();
     for (int r = 0; r < R; r++)    /* (+ 0 without a bias, as span_store adds: -0 sums become +0 there too) */
-        _mm512_storeu_ps(j->y + (int64_t)(m0 + r) * j->N + p * Q4_PANEL, _mm512_add_ps(acc[r], bias));
+        _mm512_storeu_ps(j->y + (int64_t)(m0 + r) * j->N + p * PANEL, _mm512_add_ps(acc[r], bias));
 }
 
 /* Panels [lo, hi) against every activation row, by tiles of up to PANEL_TILE_ROWS rows. */
-static void q4_panel_rows(const void *a, int lo, int hi) {
-    const struct panel_job *j = a;
+INLINE void panel_rows_of(const struct panel_job *j, int lo, int hi, const int form) {
     for (int p = lo; p < hi; p++)
         for (int m0 = 0; m0 < j->M; m0 += PANEL_TILE_ROWS) {
             switch (j->M - m0 < PANEL_TILE_ROWS ? j->M - m0 : PANEL_TILE_ROWS) {  /* a copy per count */
-#define PANEL_TILE(R) case R: q4_panel_tile(j, p, m0, R); break;
+#define PANEL_TILE(R) case R: panel_tile(j, p, m0, R, form); break;
             PANEL_TILE(1) PANEL_TILE(2) PANEL_TILE(3) PANEL_TILE(4) PANEL_TILE(5) PANEL_TILE(6) PANEL_TILE(7)
             PANEL_TILE(8) PANEL_TILE(9) PANEL_TILE(10) PANEL_TILE(11) PANEL_TILE(12) PANEL_TILE(13)
             PANEL_TILE(14) PANEL_TILE(15) PANEL_TILE(16)
@@ -1006,13 +1033,16 @@ static void q4_panel_rows(const void *a, int lo, int hi) {
         }
 }
 
+static void q4_panel_rows(const void *a, int lo, int hi) { panel_rows_of(a, lo, hi, FORM_Q4); }
+static void q8_panel_rows(const void *a, int lo, int hi) { panel_rows_of(a, lo, hi, FORM_Q8); }
+
 /* y = x @ W^T + bias by panels, M rows at once; panels go out in chunks of an eighth of a
  * thread's share (as outer_product's rows). */
-static void q4_panel_product(const float *x, const uint8_t *qp, const float *dmp, const float *bias, float *y,
-                             int M, int N, int K, int threads) {
-    struct panel_job job = {x, qp, dmp, bias, y, M, N, K};
-    int panels = N / Q4_PANEL, chunk = panels / (8 * threads);
-    parallel_rows(q4_panel_rows, &job, panels, chunk < 1 ? 1 : chunk, threads);
+static void panel_product(const float *x, const void *bytes, const float *floats, const float *bias, float *y,
+                          int M, int N, int K, int form, int threads) {
+    struct panel_job job = {x, bytes, floats, bias, y, M, N, K};
+    int panels = N / PANEL, chunk = panels / (8 * threads);
+    parallel_rows(form == FORM_Q4 ? q4_panel_rows : q8_panel_rows, &job, panels, chunk < 1 ? 1 : chunk, threads);
 }
 #endif
 
@@ -1022,9 +1052,11 @@ static int linear_exact(const float *x, const int8_t *q8, const uint8_t *q4, con
                         const float *bias, float *y, int M, int N, int K, int threads) {
     if (K % EXACT_BLOCK) return -2;
     if (M <= 0) return 0;
-#ifdef Q4_PANEL
-    if (q4 && q4_has_panels(N) && M >= OUTER_MIN_ROWS && M <= FAST_ROWS) {   /* the panels follow the rows */
-        q4_panel_product(x, q4 + (int64_t)N * (K / 2), scales + (int64_t)N * (K / 16), bias, y, M, N, K, threads);
+#ifdef PANEL
+    if (has_panels(N) && M >= OUTER_MIN_ROWS && M <= FAST_ROWS) {   /* the panels follow the rows' layout */
+        int64_t G = K / EXACT_BLOCK;
+        if (q4) panel_product(x, q4 + (int64_t)N * (K / 2), scales + N * G * 2, bias, y, M, N, K, FORM_Q4, threads);
+        else panel_product(x, q8 + (int64_t)N * K, scales + N * G, bias, y, M, N, K, FORM_Q8, threads);
         return 0;
     }
 #endif
@@ -1041,9 +1073,9 @@ int pd_linear_exact_int8(const float *x, const int8_t *q, const float *s, const 
     return linear_exact(x, q, NULL, s, bias, y, M, N, K, threads);
 }
 
-/* The same for exact Q4 blocks (q [N, K / 2] nibbles, dm [N, K / 32, 2]; where pd_q4_panels(N),
- * each followed by the same blocks by panels, pd_exact_q4_panels: q [2, N, K / 2], dm [2, N, K /
- * 32, 2]). */
+/* The same for exact Q4 blocks (q [N, K / 2] nibbles, dm [N, K / 32, 2]). Where pd_exact_panels(N),
+ * either form's tensors are followed by the same blocks by panels (pd_exact_int8_panels,
+ * pd_exact_q4_panels): q [2, N, K] and s [2, N, K / 32]; q [2, N, K / 2] and dm [2, N, K / 32, 2]. */
 int pd_linear_exact_q4(const float *x, const uint8_t *q, const float *dm, const float *bias, float *y, int M,
                        int N, int K, int threads) {
     return linear_exact(x, NULL, q, dm, bias, y, M, N, K, threads);

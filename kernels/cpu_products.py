@@ -34,8 +34,8 @@ def weight_format(weight: torch.Tensor, scales: torch.Tensor | None) -> int | No
     fp32 = torch.float32
     if scales is None:
         return WEIGHTS_F32 if weight.dtype == fp32 else None
-    if weight.dtype == torch.int8 and scales.dtype == fp32 and scales.dim() == 2:
-        return WEIGHTS_EXACT_INT8
+    if weight.dtype == torch.int8 and weight.dim() == 3 and scales.dtype == fp32 and scales.dim() == 3:
+        return WEIGHTS_EXACT_INT8                 # (held as exact_int8_blocks holds them, as Q4's below)
     if weight.dtype == torch.uint8 and weight.dim() == 2:
         if scales.dim() == 1 and scales.dtype == fp32:
             return WEIGHTS_INT8
@@ -172,9 +172,19 @@ class CpuProducts:
         if not self._block_input(weight):
             return None
         N, K = weight.shape
-        q, scales = torch.empty(N, K, dtype=torch.int8), torch.empty(N, K // reference.EXACT_BLOCK)
-        found = self.lib.pd_exact_int8_blocks(weight.data_ptr(), N, K, q.data_ptr(), scales.data_ptr())
-        return (q, scales) if found else None
+        layouts = self._layouts(N)
+        q, scales = torch.empty(layouts, N, K, dtype=torch.int8), torch.empty(layouts, N, K // reference.EXACT_BLOCK)
+        if not self.lib.pd_exact_int8_blocks(weight.data_ptr(), N, K, q.data_ptr(), scales.data_ptr()):
+            return None
+        if layouts == 2:
+            self.lib.pd_exact_int8_panels(q.data_ptr(), scales.data_ptr(), N, K, q[1].data_ptr(), scales[1].data_ptr(),
+                                          torch.get_num_threads())
+        return q, scales
+
+    def _layouts(self, N: int) -> int:
+        """The layouts of a matrix of N rows held in exact blocks (reference.py): by rows, and by
+        panels too where the C products of a few rows read those (pd_exact_panels)."""
+        return 2 if self.lib.pd_exact_panels(N) else 1
 
     def exact_q4_blocks(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The weight's exact Q4 blocks (reference.py) when it has that form, else None: one
@@ -182,7 +192,7 @@ class CpuProducts:
         if not self._block_input(weight):
             return None
         N, K = weight.shape
-        layouts = 2 if self.lib.pd_q4_panels(N) else 1      # the rows', then by panels where C has them
+        layouts = self._layouts(N)
         q = torch.empty(layouts, N, K // 2, dtype=torch.uint8)
         dm = torch.empty(layouts, N, K // reference.EXACT_BLOCK, 2)
         threads = torch.get_num_threads()
@@ -211,28 +221,31 @@ class CpuProducts:
 
     def _exact_input(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                      q_dtype: torch.dtype) -> bool:
-        """Whether the C products for exact blocks can read these tensors."""
-        return self._ok(x, scales, bias) and q.dtype == q_dtype and q.is_cpu \
+        """Whether the C products for exact blocks can read these tensors: held as exact_*_blocks
+        hold them, in the layouts this build reads."""
+        return self._ok(x, scales, bias) and q.dtype == q_dtype and q.is_cpu and q.dim() == 3 \
+            and q.shape[0] == self._layouts(q.shape[1]) and scales.shape[:2] == q.shape[:2] \
             and x.is_contiguous() and q.is_contiguous() and scales.is_contiguous()
 
     def linear_exact_int8(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
                           bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ W^T + bias for W held in exact int8 blocks: the same results as pd_linear_f32 on W."""
+        """x @ W^T + bias for W held in exact int8 blocks (as exact_int8_blocks holds them: [layouts,
+        N, K] and [layouts, N, K / 32]): the same results as pd_linear_f32 on W."""
         if not self._exact_input(x, q, scales, bias, torch.int8):
             return reference.linear_exact_int8(x, q, scales, bias)
+        rows, row_scales = reference.exact_rows(q, scales)
 
         def unpack(n0: int, n1: int, out: torch.Tensor) -> None:
-            out.copy_(reference.dequantize_exact_int8(q[n0:n1], scales[n0:n1]))
+            out.copy_(reference.dequantize_exact_int8(rows[n0:n1], row_scales[n0:n1]))
         return self._linear_exact("exact int8 blocks", self.lib.pd_linear_exact_int8, unpack, x, q, scales, bias)
 
     def linear_exact_q4(self, x: torch.Tensor, q: torch.Tensor, dm: torch.Tensor,
                         bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W^T + bias for W held in exact Q4 blocks (as exact_q4_blocks holds them: [layouts, N,
         K / 2] and [layouts, N, K / 32, 2]): the same results as pd_linear_f32 on W."""
-        if not self._exact_input(x, q, dm, bias, torch.uint8) or q.dim() != 3 \
-                or q.shape[0] != (2 if self.lib.pd_q4_panels(q.shape[1]) else 1):
+        if not self._exact_input(x, q, dm, bias, torch.uint8):
             return reference.linear_exact_q4(x, q, dm, bias)
-        rows, row_params = q[0], dm[0]
+        rows, row_params = reference.exact_rows(q, dm)
 
         def unpack(n0: int, n1: int, out: torch.Tensor) -> None:
             self.lib.pd_unpack_exact_q4(rows[n0].data_ptr(), row_params[n0].data_ptr(), out.data_ptr(), n1 - n0,

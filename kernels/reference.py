@@ -212,9 +212,12 @@ def linear_int8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
 
 
 # Exact int8 blocks: an fp32 matrix whose every 32 weights of a row are one scale times integers in
-# -127..127 (a GGUF Q8_0 matrix read as fp32), held as (q int8 [N, K], scales fp32 [N, K / 32]):
-# weight == scales * q exactly, at a quarter of the bytes. A backend that finds the form
-# (`exact_int8_blocks`) multiplies by it from then on; this one leaves every matrix as it is.
+# -127..127 (a GGUF Q8_0 matrix read as fp32), held as (q int8 [layouts, N, K], scales fp32
+# [layouts, N, K / 32]): weight == scales * q exactly, at a quarter of the bytes a layout. Layout 0
+# is by rows; a backend may hold the same blocks a second time in a layout of its own (the C one:
+# by panels of outputs, for products of a few rows), as it may exact Q4 blocks (below). A backend
+# that finds the form (`exact_int8_blocks`) multiplies by it from then on; this one leaves every
+# matrix as it is.
 EXACT_BLOCK = 32
 
 
@@ -222,22 +225,32 @@ def exact_int8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return None
 
 
+def exact_rows(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact blocks of either form as held, in their rows' layout: int8 q [N, K] and scales [N, K /
+    32]; Q4 nibbles [N, K / 2] and (d, m) [N, K / 32, 2]."""
+    if q.dim() != 3 or scales.shape[:2] != q.shape[:2]:
+        raise ValueError(f"exact blocks are held by layouts ([layouts, N, ...]), not as {tuple(q.shape)} "
+                         f"and {tuple(scales.shape)}")
+    return q[0], scales[0]
+
+
 def dequantize_exact_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The fp32 weights of exact blocks (rows of them: an embedding's lookups too)."""
+    """The fp32 weights of exact blocks in their rows' layout (exact_rows; rows of them: an
+    embedding's lookups too)."""
     return (q.float().unflatten(-1, (-1, EXACT_BLOCK)) * scales.unsqueeze(-1)).flatten(-2)
 
 
 def linear_exact_int8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
-    return linear(x, dequantize_exact_int8(q, scales).to(x.dtype), bias)
+    """x @ W^T + bias for W held in exact int8 blocks (as held, above)."""
+    return linear(x, dequantize_exact_int8(*exact_rows(q, scales)).to(x.dtype), bias)
 
 
 # Exact Q4 blocks: an fp32 matrix whose every 32 weights of a row are d * u + m with u in 0..15 and
 # d * u exact in fp32 (a GGUF Q4_1 matrix read as fp32), held as (nibbles uint8 [layouts, N, K / 2],
-# (d, m) fp32 [layouts, N, K / 32, 2]): 0.75 bytes a weight a layout. Layout 0 is by rows (the
-# nibbles in the int4 layout below); a backend may hold the same blocks a second time in a layout
-# of its own (the C one: by panels of outputs, for products of a few rows). As for exact int8
-# blocks, this backend never finds the form (`exact_q4_blocks`); the C one does.
+# (d, m) fp32 [layouts, N, K / 32, 2]): 0.75 bytes a weight a layout, layout 0 by rows (the nibbles
+# in the int4 layout below). As for exact int8 blocks, this backend never finds the form
+# (`exact_q4_blocks`); the C one does.
 def exact_q4_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return None
 
@@ -252,16 +265,8 @@ def q4_1_weights(w: torch.Tensor) -> torch.Tensor:
     return (u * d[:, None] + low[:, None]).view_as(w)
 
 
-def exact_q4_rows(q: torch.Tensor, dm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact Q4 blocks as held (above) in their rows' layout: q [N, K / 2], dm [N, K / 32, 2]."""
-    if q.dim() != 3 or dm.dim() != 4:
-        raise ValueError(f"exact Q4 blocks are held as [layouts, N, K / 2] and [layouts, N, K / 32, 2], "
-                         f"not {tuple(q.shape)} and {tuple(dm.shape)}")
-    return q[0], dm[0]
-
-
 def dequantize_exact_q4(q: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
-    """The fp32 weights of exact Q4 blocks in their rows' layout (exact_q4_rows; rows of them: an
+    """The fp32 weights of exact Q4 blocks in their rows' layout (exact_rows; rows of them: an
     embedding's lookups too)."""
     u = unpack_int4(q).float().unflatten(-1, (-1, EXACT_BLOCK))
     return (u * dm[..., :1] + dm[..., 1:]).flatten(-2)       # (d * u exact: one rounding, as in C)
@@ -270,7 +275,7 @@ def dequantize_exact_q4(q: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
 def linear_exact_q4(x: torch.Tensor, q: torch.Tensor, dm: torch.Tensor,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W^T + bias for W held in exact Q4 blocks (as held, above)."""
-    return linear(x, dequantize_exact_q4(*exact_q4_rows(q, dm)).to(x.dtype), bias)
+    return linear(x, dequantize_exact_q4(*exact_rows(q, dm)).to(x.dtype), bias)
 
 
 def int8_supported(device: torch.device) -> bool:

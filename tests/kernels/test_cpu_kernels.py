@@ -81,7 +81,7 @@ def test_only_matrices_of_exact_blocks_are_held_as_them(ops):
         bad[3, 40] = spoil(bad[3, 40])
         assert ops.exact_int8_blocks(bad) is None
     with pytest.raises(ValueError, match="whole blocks of 32"):      # rows the C code cannot take
-        ops.linear_exact_int8(rand(1, 48), torch.zeros(8, 48, dtype=torch.int8), torch.ones(8, 1))
+        ops.linear_exact_int8(rand(1, 48), torch.zeros(1, 8, 48, dtype=torch.int8), torch.ones(1, 8, 1))
 
 
 def exact_q4_blocks(N: int, K: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -97,14 +97,10 @@ def exact_q4_blocks(N: int, K: int, seed: int = 0) -> tuple[torch.Tensor, torch.
     return w, reference.pack_int4(u.view(N, K)), torch.stack([d, m], dim=-1)
 
 
-# Each form of exact blocks: the matrix maker, the ops' search and product, the reference's rebuild,
-# and the rows' layout of the blocks as the ops hold them (exact Q4 blocks also by panels, where C
-# multiplies by those).
+# Each form of exact blocks: the matrix maker, the ops' search and product, the reference's rebuild.
 EXACT_FORMS = {
-    "int8": (exact_blocks, "exact_int8_blocks", "linear_exact_int8", reference.dequantize_exact_int8,
-             lambda q, scales: (q, scales)),
-    "q4": (exact_q4_blocks, "exact_q4_blocks", "linear_exact_q4", reference.dequantize_exact_q4,
-           reference.exact_q4_rows),
+    "int8": (exact_blocks, "exact_int8_blocks", "linear_exact_int8", reference.dequantize_exact_int8),
+    "q4": (exact_q4_blocks, "exact_q4_blocks", "linear_exact_q4", reference.dequantize_exact_q4),
 }
 
 
@@ -114,11 +110,11 @@ EXACT_FORMS = {
 @pytest.mark.parametrize("many_in_c", [True, False])
 @pytest.mark.parametrize("outputs", [83, 96])     # 96: whole panels of 16 (the panel products, AVX-512)
 def test_exact_blocks_give_the_fp32_products_bit_for_bit(ops, form, rows, bias, many_in_c, outputs, monkeypatch):
-    make, find, product, rebuild, rows_of = EXACT_FORMS[form]
+    make, find, product, rebuild = EXACT_FORMS[form]
     chose(monkeypatch, ops, "products", many_in_c)
     w, q, scales = make(outputs, 192, seed=rows)
     found = getattr(ops, find)(w)
-    assert found is not None and all(map(torch.equal, rows_of(*found), (q, scales)))
+    assert found is not None and all(map(torch.equal, reference.exact_rows(*found), (q, scales)))
     assert torch.equal(rebuild(q, scales), w)
     x, b = rand(rows, 192, seed=1), rand(outputs, seed=2) if bias else None
     got = getattr(ops, product)(x, *found, b)
@@ -139,7 +135,7 @@ def test_exact_q4_blocks_rebuild_for_blas_as_the_reference_does(ops):
 def test_only_matrices_of_exact_q4_blocks_are_held_as_them(ops):
     w, _, dm = exact_q4_blocks(8, 64)
     flat = ops.exact_q4_blocks(torch.full((4, 64), 0.375))                 # one value a group: d = 0
-    assert flat is not None and torch.equal(reference.exact_q4_rows(*flat)[1][..., 0], torch.zeros(4, 2))
+    assert flat is not None and torch.equal(reference.exact_rows(*flat)[1][..., 0], torch.zeros(4, 2))
     fp32_d = w.clone()                              # a d of 16 significant bits, not fp16's 11: d * u still exact
     fp32_d[0, :32] = torch.arange(32).remainder(16).float() * ((1 + 2 ** -15) / 64) - 0.5
     assert ops.exact_q4_blocks(fp32_d) is not None
@@ -164,20 +160,24 @@ def test_only_matrices_of_exact_q4_blocks_are_held_as_them(ops):
         ops.linear_exact_q4(rand(1, 48), torch.zeros(1, 8, 24, dtype=torch.uint8), torch.ones(1, 8, 1, 2))
 
 
-def test_exact_q4_blocks_are_held_by_panels_where_the_build_multiplies_by_them(ops):
+def test_exact_blocks_are_held_by_panels_where_the_build_multiplies_by_them(ops):
     """AVX-512 builds hold a matrix of whole panels (16 outputs) a second time by panels, for the
     products of 5 to 48 rows; the rows' layout stays first (the decode rows, BLAS)."""
+    panels = "avx512f" in cpu.cpu_flags() and platform.machine().lower() in ("x86_64", "amd64")
+    assert bool(ops.lib.pd_exact_panels(48)) == panels and not ops.lib.pd_exact_panels(40)
     w, q, dm = exact_q4_blocks(48, 64, seed=3)
     held = ops.exact_q4_blocks(w)
-    panels = "avx512f" in cpu.cpu_flags() and platform.machine().lower() in ("x86_64", "amd64")
     assert held[0].shape == (2 if panels else 1, 48, 32) and held[1].shape == (2 if panels else 1, 48, 2, 2)
-    assert bool(ops.lib.pd_q4_panels(48)) == panels and not ops.lib.pd_q4_panels(40)
     assert ops.exact_q4_blocks(w[:40].contiguous())[0].shape[0] == 1      # not whole panels: rows only
-    if panels:         # panel 1's group 0: output 16 + j's weights at k = 2i and 2i + 1 in byte 16i + j
-        u = reference.unpack_int4(q).view(48, 2, 32)
-        expected = (u[16:32, 0, 0::2] | u[16:32, 0, 1::2] << 4).T.reshape(-1)
-        assert torch.equal(held[0][1].view(-1)[2 * 256:3 * 256], expected)
+    w8, q8, s8 = exact_blocks(48, 64, seed=4)
+    held8 = ops.exact_int8_blocks(w8)
+    assert held8[0].shape == (2 if panels else 1, 48, 64) and held8[1].shape == (2 if panels else 1, 48, 2)
+    if panels:         # panel 1's group 0
+        u = reference.unpack_int4(q).view(48, 2, 32)   # Q4: output 16 + j's weights at k = 2i and 2i + 1 in byte 16i + j
+        assert torch.equal(held[0][1].view(-1)[2 * 256:3 * 256], (u[16:32, 0, 0::2] | u[16:32, 0, 1::2] << 4).T.reshape(-1))
         assert torch.equal(held[1][1].view(-1)[2 * 32:3 * 32], torch.cat([dm[16:32, 0, 0], dm[16:32, 0, 1]]))
+        assert torch.equal(held8[0][1].view(-1)[2 * 512:3 * 512], q8[16:32, :32].T.reshape(-1))   # int8: k-major
+        assert torch.equal(held8[1][1].view(-1)[2 * 16:3 * 16], s8[16:32, 0])
 
 
 def builds_the_choice(choice: str) -> bool:
@@ -869,7 +869,7 @@ def test_a_256_bit_x86_build_matches_reference_here_too(tmp_path):
     for rows in (1, 4, 9, 24, 40):
         x, w = rand(rows, 197, seed=rows), rand(93, 197, seed=100 + rows)
         torch.testing.assert_close(ops.linear(x, w), reference.linear(x, w), **TOL)
-        for make, find, product, *_ in EXACT_FORMS.values():       # their 256-bit rebuilds, bit for bit
+        for make, find, product, _ in EXACT_FORMS.values():       # their 256-bit rebuilds, bit for bit
             w, _, _ = make(83, 192, seed=rows)
             x = rand(rows, 192, seed=rows)
             assert torch.equal(getattr(ops, product)(x, *getattr(ops, find)(w)), ops.linear(x, w))
