@@ -26,7 +26,7 @@ import torch
 
 from . import reference
 from .cpu_attention import CpuAttention
-from .cpu_products import weight_columns, weight_format
+from .cpu_products import WEIGHTS_EXACT_INT8, WEIGHTS_EXACT_Q4, weight_columns, weight_format
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 HEADERS = (Path(__file__).with_name("cpu_pool.h"),)
@@ -296,7 +296,8 @@ class CpuKernels(CpuAttention):
         for layer in layers:
             for weights in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 fmt = weight_format(*weights[:2])
-                if fmt is None:
+                if fmt is None or fmt in (WEIGHTS_EXACT_INT8, WEIGHTS_EXACT_Q4) \
+                        and weights[0].shape[0] != self._layouts(weights[0].shape[1]):   # (not this build's)
                     return None
                 formats.append(fmt)
         first = layers[0]

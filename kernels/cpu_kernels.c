@@ -905,9 +905,51 @@ int pd_linear_f32(const float *x, const float *w, const float *bias, float *y, i
  * pair's first k in the low nibble, the second's in the high one), then the group's d of the
  * panel's outputs and their m (fp32, 2 x PANEL); int8, 32 k of PANEL integers each, then the
  * outputs' scales. The same bytes as the rows' layout, which stays for the decode rows and BLAS. */
-#ifdef __AVX512F__
-#define PANEL 16
+/* A panel's vector ops: AVX-512 takes a panel in one vector, AVX2 with FMA in two halves of 8. */
+#if defined(__AVX512F__)
+#define PANEL_LANES 16
 #define PANEL_TILE_ROWS 16
+#define PANEL_MAX_ROWS FAST_ROWS
+typedef __m512 pvec;
+#define PV_ZERO() _mm512_setzero_ps()
+#define PV_LOAD(p) _mm512_loadu_ps(p)
+#define PV_STORE(p, v) _mm512_storeu_ps(p, v)
+#define PV_SET1(f) _mm512_set1_ps(f)
+#define PV_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define PV_MUL(a, b) _mm512_mul_ps(a, b)
+#define PV_ADD(a, b) _mm512_add_ps(a, b)
+#define PV_BYTES(p) _mm_loadu_si128((const __m128i *)(p))            /* a lane's byte each */
+#define PV_S8(in) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(in))
+#define PV_NIBBLES(in, lo, hi) do { __m512i u_ = _mm512_cvtepu8_epi32(in); \
+        lo = _mm512_cvtepi32_ps(_mm512_and_si512(u_, _mm512_set1_epi32(15))); \
+        hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(u_, 4)); } while (0)
+#elif defined(__AVX2__) && defined(__FMA__)
+/* 8 rows a tile: 8 sums and the rebuild's 6 vectors in 16 registers. Each tile rebuilds the
+ * weights again, and past 24 rows the strips are faster: an -march=haswell build on a 2-core Intel
+ * Xeon (2026-12-04; the default model's 30 layers of exact Q4 blocks, distinct weights, two
+ * threads, two runs) took 5 rows in 8.7-9.0 ms by panels against 17.1-17.4 by strips, 8 rows
+ * 11.6 against 17.1-17.2, 16 rows 22.4-22.5 against 23.0, 24 rows 32.9-33.0 against 35.8-35.9,
+ * 32 rows 43.1-43.2 against 41.1-41.3 and 48 rows 63.9-64.2 against 58.5-59.3 (not measured on
+ * an AVX2-only CPU). */
+#define PANEL_LANES 8
+#define PANEL_TILE_ROWS 8
+#define PANEL_MAX_ROWS 24
+typedef __m256 pvec;
+#define PV_ZERO() _mm256_setzero_ps()
+#define PV_LOAD(p) _mm256_loadu_ps(p)
+#define PV_STORE(p, v) _mm256_storeu_ps(p, v)
+#define PV_SET1(f) _mm256_set1_ps(f)
+#define PV_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define PV_MUL(a, b) _mm256_mul_ps(a, b)
+#define PV_ADD(a, b) _mm256_add_ps(a, b)
+#define PV_BYTES(p) _mm_loadl_epi64((const __m128i *)(p))
+#define PV_S8(in) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(in))
+#define PV_NIBBLES(in, lo, hi) do { __m256i u_ = _mm256_cvtepu8_epi32(in); \
+        lo = _mm256_cvtepi32_ps(_mm256_and_si256(u_, _mm256_set1_epi32(15))); \
+        hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(u_, 4)); } while (0)
+#endif
+#ifdef PANEL_LANES
+#define PANEL 16
 /* Groups ahead that a panel's first tile fetches into L1 (into the next panel at its end, the next
  * in memory; a fetch past the matrix does not fault). Left to the hardware's prefetcher, a
  * 16-stream decode step's head (49,152 outputs of exact int8 blocks, from memory after the layers)
@@ -994,42 +1036,41 @@ int pd_exact_int8_panels(const int8_t *q, const float *s, int N, int K, int8_t *
 struct panel_job { const float *x; const uint8_t *bytes; const float *floats, *bias; float *y; int M, N, K; };
 
 /* Panel p against activation rows [m0, m0 + R) (R and form constants once inlined: the sums in
- * registers). */
+ * registers), a vector of its outputs at a time. */
 INLINE void panel_tile(const struct panel_job *j, int p, int m0, const int R, const int form) {
     int G = j->K / EXACT_BLOCK, K = j->K;
-    __m512 acc[PANEL_TILE_ROWS];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     const uint8_t *bytes = j->bytes + (int64_t)p * G * GROUP_BYTES(form);
     const float *floats = j->floats + (int64_t)p * G * GROUP_FLOATS(form), *x = j->x + (int64_t)m0 * K;
-    __m512i low = _mm512_set1_epi32(15);
-    for (int g = 0; g < G; g++) {
-        const uint8_t *b = bytes + g * GROUP_BYTES(form);
-        const float *f = floats + g * GROUP_FLOATS(form), *xg = x + g * EXACT_BLOCK;
-        if (m0 == 0) {     /* PANEL_AHEAD groups on (into the next panel at the end: the next in memory) */
-            for (int i = 0; i < GROUP_BYTES(form); i += 64) __builtin_prefetch(b + PANEL_AHEAD * GROUP_BYTES(form) + i, 0, INTO_L1);
-            for (int i = 0; i < GROUP_FLOATS(form); i += 16) __builtin_prefetch(f + PANEL_AHEAD * GROUP_FLOATS(form) + i, 0, INTO_L1);
-        }
-        __m512 d = _mm512_loadu_ps(f), m = form == FORM_Q4 ? _mm512_loadu_ps(f + PANEL) : d;
-        for (int pair = 0; pair < EXACT_BLOCK / 2; pair++) {
-            __m128i in0 = _mm_loadu_si128((const __m128i *)(b + pair * (form == FORM_Q4 ? 1 : 2) * PANEL));
-            __m512 w0, w1;
-            if (form == FORM_Q4) {
-                __m512i u = _mm512_cvtepu8_epi32(in0);
-                w0 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(u, low)), m);
-                w1 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(u, 4)), m);
-            } else {
-                __m128i in1 = _mm_loadu_si128((const __m128i *)(b + (2 * pair + 1) * PANEL));
-                w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(in0)));
-                w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(in1)));
+    for (int h = 0; h < PANEL; h += PANEL_LANES) {
+        pvec acc[PANEL_TILE_ROWS];
+        for (int r = 0; r < R; r++) acc[r] = PV_ZERO();
+        for (int g = 0; g < G; g++) {
+            const uint8_t *b = bytes + g * GROUP_BYTES(form) + h;
+            const float *f = floats + g * GROUP_FLOATS(form), *xg = x + g * EXACT_BLOCK;
+            if (m0 == 0 && h == 0) {   /* PANEL_AHEAD groups on (into the next panel at the end: the next in memory) */
+                for (int i = 0; i < GROUP_BYTES(form); i += 64) __builtin_prefetch(b + PANEL_AHEAD * GROUP_BYTES(form) + i, 0, INTO_L1);
+                for (int i = 0; i < GROUP_FLOATS(form); i += 16) __builtin_prefetch(f + PANEL_AHEAD * GROUP_FLOATS(form) + i, 0, INTO_L1);
             }
-            const float *xk = xg + 2 * pair;
-            for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xk[(int64_t)r * K]), acc[r]);
-            for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(w1, _mm512_set1_ps(xk[(int64_t)r * K + 1]), acc[r]);
+            pvec d = PV_LOAD(f + h), m = form == FORM_Q4 ? PV_LOAD(f + PANEL + h) : d;
+            for (int pair = 0; pair < EXACT_BLOCK / 2; pair++) {
+                pvec w0, w1;
+                if (form == FORM_Q4) {
+                    PV_NIBBLES(PV_BYTES(b + pair * PANEL), w0, w1);
+                    w0 = PV_FMA(d, w0, m);
+                    w1 = PV_FMA(d, w1, m);
+                } else {
+                    w0 = PV_MUL(d, PV_S8(PV_BYTES(b + 2 * pair * PANEL)));
+                    w1 = PV_MUL(d, PV_S8(PV_BYTES(b + (2 * pair + 1) * PANEL)));
+                }
+                const float *xk = xg + 2 * pair;
+                for (int r = 0; r < R; r++) acc[r] = PV_FMA(w0, PV_SET1(xk[(int64_t)r * K]), acc[r]);
+                for (int r = 0; r < R; r++) acc[r] = PV_FMA(w1, PV_SET1(xk[(int64_t)r * K + 1]), acc[r]);
+            }
         }
+        pvec bias = j->bias ? PV_LOAD(j->bias + p * PANEL + h) : PV_ZERO();
+        for (int r = 0; r < R; r++)    /* (+ 0 without a bias, as span_store adds: -0 sums become +0 there too) */
+            PV_STORE(j->y + (int64_t)(m0 + r) * j->N + p * PANEL + h, PV_ADD(acc[r], bias));
     }
-    __m512 bias = j->bias ? _mm512_loadu_ps(j->bias + p * PANEL) : _mm512_setzero_ps();
-    for (int r = 0; r < R; r++)    /* (+ 0 without a bias, as span_store adds: -0 sums become +0 there too) */
-        _mm512_storeu_ps(j->y + (int64_t)(m0 + r) * j->N + p * PANEL, _mm512_add_ps(acc[r], bias));
 }
 
 /* Panels [lo, hi) against every activation row, by tiles of up to PANEL_TILE_ROWS rows. */
@@ -1039,8 +1080,11 @@ INLINE void panel_rows_of(const struct panel_job *j, int lo, int hi, const int f
             switch (j->M - m0 < PANEL_TILE_ROWS ? j->M - m0 : PANEL_TILE_ROWS) {  /* a copy per count */
 #define PANEL_TILE(R) case R: panel_tile(j, p, m0, R, form); break;
             PANEL_TILE(1) PANEL_TILE(2) PANEL_TILE(3) PANEL_TILE(4) PANEL_TILE(5) PANEL_TILE(6) PANEL_TILE(7)
-            PANEL_TILE(8) PANEL_TILE(9) PANEL_TILE(10) PANEL_TILE(11) PANEL_TILE(12) PANEL_TILE(13)
-            PANEL_TILE(14) PANEL_TILE(15) PANEL_TILE(16)
+            PANEL_TILE(8)
+#if PANEL_TILE_ROWS == 16
+            PANEL_TILE(9) PANEL_TILE(10) PANEL_TILE(11) PANEL_TILE(12) PANEL_TILE(13) PANEL_TILE(14)
+            PANEL_TILE(15) PANEL_TILE(16)
+#endif
 #undef PANEL_TILE
             }
         }
@@ -1066,7 +1110,7 @@ static int linear_exact(const float *x, const int8_t *q8, const uint8_t *q4, con
     if (K % EXACT_BLOCK) return -2;
     if (M <= 0) return 0;
 #ifdef PANEL
-    if (has_panels(N) && M >= OUTER_MIN_ROWS && M <= FAST_ROWS) {   /* the panels follow the rows' layout */
+    if (has_panels(N) && M >= OUTER_MIN_ROWS && M <= PANEL_MAX_ROWS) {   /* the panels follow the rows' layout */
         int64_t G = K / EXACT_BLOCK;
         if (q4) panel_product(x, q4 + (int64_t)N * (K / 2), scales + N * G * 2, bias, y, M, N, K, FORM_Q4, threads);
         else panel_product(x, q8 + (int64_t)N * K, scales + N * G, bias, y, M, N, K, FORM_Q8, threads);

@@ -62,6 +62,13 @@ def test_q4_1_layers_are_held_as_exact_blocks_and_change_no_number(q4_folder, mo
         assert torch.equal(logits, fp_logits)           # a 40-token prompt: the strips, one C call
         assert tokens == fp_tokens                      # decode rows: the dot products
         assert model._layer_plan() is not None           # the one-call forward reads the mixed forms
+        weights = [block.weights(norm) for block, norm in zip(model.layers, model._norms_after())]
+        q, dm, bias = weights[0].qkv
+        if q.shape[0] == 2:      # held by panels too (x86 with AVX2): a rows-only copy is not this build's
+            weights[0] = weights[0]._replace(qkv=(q[:1].clone(), dm[:1].clone(), bias))
+            cfg = model.cfg
+            assert model.ops.prepare_layers(weights, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                            cfg.rms_norm_eps) is None
         # 6 bits a weight a layout (by rows; AVX-512 builds by panels too, the kernels' tests)
         layouts = {n: model.get_submodule(n).quantized["none"].weight.shape[0] for n in held}
         saved = sum(w.numel() * 4 - layouts[name] * (w.numel() // 2 + w.numel() // 32 * 8)

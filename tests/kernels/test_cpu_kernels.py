@@ -161,9 +161,10 @@ def test_only_matrices_of_exact_q4_blocks_are_held_as_them(ops):
 
 
 def test_exact_blocks_are_held_by_panels_where_the_build_multiplies_by_them(ops):
-    """AVX-512 builds hold a matrix of whole panels (16 outputs) a second time by panels, for the
-    products of 5 to 48 rows; the rows' layout stays first (the decode rows, BLAS)."""
-    panels = "avx512f" in cpu.cpu_flags() and platform.machine().lower() in ("x86_64", "amd64")
+    """x86 builds with AVX2 and FMA hold a matrix of whole panels (16 outputs) a second time by
+    panels, for the products of 5 rows to the fast rows; the rows' layout stays first (the decode
+    rows, BLAS)."""
+    panels = {"avx2", "fma"} <= cpu.cpu_flags() and platform.machine().lower() in ("x86_64", "amd64")
     assert bool(ops.lib.pd_exact_panels(48)) == panels and not ops.lib.pd_exact_panels(40)
     w, q, dm = exact_q4_blocks(48, 64, seed=3)
     held = ops.exact_q4_blocks(w)
@@ -870,9 +871,12 @@ def test_a_256_bit_x86_build_matches_reference_here_too(tmp_path):
         x, w = rand(rows, 197, seed=rows), rand(93, 197, seed=100 + rows)
         torch.testing.assert_close(ops.linear(x, w), reference.linear(x, w), **TOL)
         for make, find, product, _ in EXACT_FORMS.values():       # their 256-bit rebuilds, bit for bit
-            w, _, _ = make(83, 192, seed=rows)
-            x = rand(rows, 192, seed=rows)
-            assert torch.equal(getattr(ops, product)(x, *getattr(ops, find)(w)), ops.linear(x, w))
+            for outputs in (83, 96):                              # 96: by half-panels of 8 from 5 rows
+                w, _, _ = make(outputs, 192, seed=rows)
+                x = rand(rows, 192, seed=rows)
+                held = getattr(ops, find)(w)
+                assert held[0].shape[0] == (2 if outputs == 96 else 1)
+                assert torch.equal(getattr(ops, product)(x, *held), ops.linear(x, w))
     for qlens, clens, kv_heads, group, head_dim in [
         ([1, 3, 1, 2], [700, 301, 5, 129], 3, 3, 64),      # decodes and verifies: heads grouped
         ([1], [1500], 1, 12, 128),                         # a group in parts, keys split over threads
