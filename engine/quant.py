@@ -117,6 +117,7 @@ class QuantLinear(nn.Module):
         self.switch = switch
         self.dtype = dtype                        # the activations' (and full-precision weights') dtype
         self.quantized: dict[str, Quantized] = {}
+        self.multiplied = True                    # products read the matrix (an embedding: only when tied)
 
     def format_for(self, mode: str) -> str:
         """The format this matrix takes in `mode`."""
@@ -140,7 +141,7 @@ class QuantLinear(nn.Module):
         that has no form of its own."""
         ops = self.switch.ops
         for fmt, find in ((EXACT_Q4, ops.exact_q4_blocks), (EXACT_INT8, ops.exact_int8_blocks)):
-            found = find(weight)
+            found = find(weight, multiplied=self.multiplied)
             if found is not None:
                 self.quantized["none"] = Quantized(fmt, *found)
                 self.weight = None
@@ -250,6 +251,7 @@ def install(model: nn.Module, ops: SimpleNamespace, dtype: torch.dtype, mode: st
             if isinstance(child, nn.Linear):
                 setattr(module, child_name, QuantLinear(child, switch, dtype))
     model.embed = QuantEmbedding(model.embed, switch, dtype)
+    model.embed.multiplied = model.lm_head is None
     if model.lm_head is None:
         model.lm_head = TiedHead(model.embed)
     return switch

@@ -166,13 +166,14 @@ class CpuProducts:
         return weight.dim() == 2 and self._ok(weight) and weight.is_contiguous() \
             and weight.shape[1] % reference.EXACT_BLOCK == 0
 
-    def exact_int8_blocks(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def exact_int8_blocks(self, weight: torch.Tensor, multiplied: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The weight's exact int8 blocks (reference.py) when it has that form, else None: one pass
-        that stops at the first block without it."""
+        that stops at the first block without it. By panels too only where `multiplied` (an
+        untied embedding's rows are only looked up)."""
         if not self._block_input(weight):
             return None
         N, K = weight.shape
-        layouts = self._layouts(N)
+        layouts = self._layouts(N) if multiplied else 1
         q, scales = torch.empty(layouts, N, K, dtype=torch.int8), torch.empty(layouts, N, K // reference.EXACT_BLOCK)
         if not self.lib.pd_exact_int8_blocks(weight.data_ptr(), N, K, q.data_ptr(), scales.data_ptr()):
             return None
@@ -186,13 +187,13 @@ class CpuProducts:
         panels too where the C products of a few rows read those (pd_exact_panels)."""
         return 2 if self.lib.pd_exact_panels(N) else 1
 
-    def exact_q4_blocks(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def exact_q4_blocks(self, weight: torch.Tensor, multiplied: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The weight's exact Q4 blocks (reference.py) when it has that form, else None: one
-        parallel pass that gives up soon after a group without it."""
+        parallel pass that gives up soon after a group without it (`multiplied`: as int8's)."""
         if not self._block_input(weight):
             return None
         N, K = weight.shape
-        layouts = self._layouts(N)
+        layouts = self._layouts(N) if multiplied else 1
         q = torch.empty(layouts, N, K // 2, dtype=torch.uint8)
         dm = torch.empty(layouts, N, K // reference.EXACT_BLOCK, 2)
         threads = torch.get_num_threads()

@@ -221,7 +221,9 @@ def linear_int8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
 EXACT_BLOCK = 32
 
 
-def exact_int8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def exact_int8_blocks(weight: torch.Tensor, multiplied: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(`multiplied`: whether products will read the blocks, or only lookups: a backend holds its
+    own layout for products only then.)"""
     return None
 
 
@@ -251,7 +253,7 @@ def linear_exact_int8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
 # (d, m) fp32 [layouts, N, K / 32, 2]): 0.75 bytes a weight a layout, layout 0 by rows (the nibbles
 # in the int4 layout below). As for exact int8 blocks, this backend never finds the form
 # (`exact_q4_blocks`); the C one does.
-def exact_q4_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def exact_q4_blocks(weight: torch.Tensor, multiplied: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
     return None
 
 
