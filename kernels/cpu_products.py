@@ -168,40 +168,42 @@ class CpuProducts:
 
     def exact_int8_blocks(self, weight: torch.Tensor, multiplied: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The weight's exact int8 blocks (reference.py) when it has that form, else None: one pass
-        that stops at the first block without it. By panels too only where `multiplied` (an
-        untied embedding's rows are only looked up)."""
+        that stops at the first block without it."""
+        return self._held_exact(weight, multiplied, 1, torch.int8, (), self.lib.pd_exact_int8_blocks,
+                                self.lib.pd_exact_int8_panels)
+
+    def exact_q4_blocks(self, weight: torch.Tensor, multiplied: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The weight's exact Q4 blocks (reference.py) when it has that form, else None: one
+        parallel pass that gives up soon after a group without it."""
+        threads = torch.get_num_threads()
+        return self._held_exact(weight, multiplied, 2, torch.uint8, (2,),
+                                lambda *found_in: self.lib.pd_exact_q4_blocks(*found_in, threads),
+                                self.lib.pd_exact_q4_panels)
+
+    def _held_exact(self, weight: torch.Tensor, multiplied: bool, per_byte: int, dtype: torch.dtype,
+                    params: tuple[int, ...], find: Callable[..., int],
+                    by_panels: Callable[..., int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A form's blocks as held ([layouts, N, K / per_byte] integers, [layouts, N, K / 32, *params]
+        scales): by rows, found by `find`, and by panels too (`by_panels`) where the build
+        multiplies by them and products will read the matrix (`multiplied`: an untied
+        embedding's rows are only looked up)."""
         if not self._block_input(weight):
             return None
         N, K = weight.shape
         layouts = self._layouts(N) if multiplied else 1
-        q, scales = torch.empty(layouts, N, K, dtype=torch.int8), torch.empty(layouts, N, K // reference.EXACT_BLOCK)
-        if not self.lib.pd_exact_int8_blocks(weight.data_ptr(), N, K, q.data_ptr(), scales.data_ptr()):
+        q = torch.empty(layouts, N, K // per_byte, dtype=dtype)
+        scales = torch.empty(layouts, N, K // reference.EXACT_BLOCK, *params)
+        if not find(weight.data_ptr(), N, K, q.data_ptr(), scales.data_ptr()):
             return None
         if layouts == 2:
-            self.lib.pd_exact_int8_panels(q.data_ptr(), scales.data_ptr(), N, K, q[1].data_ptr(), scales[1].data_ptr(),
-                                          torch.get_num_threads())
+            by_panels(q.data_ptr(), scales.data_ptr(), N, K, q[1].data_ptr(), scales[1].data_ptr(),
+                      torch.get_num_threads())
         return q, scales
 
     def _layouts(self, N: int) -> int:
         """The layouts of a matrix of N rows held in exact blocks (reference.py): by rows, and by
         panels too where the C products of a few rows read those (pd_exact_panels)."""
         return 2 if self.lib.pd_exact_panels(N) else 1
-
-    def exact_q4_blocks(self, weight: torch.Tensor, multiplied: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The weight's exact Q4 blocks (reference.py) when it has that form, else None: one
-        parallel pass that gives up soon after a group without it (`multiplied`: as int8's)."""
-        if not self._block_input(weight):
-            return None
-        N, K = weight.shape
-        layouts = self._layouts(N) if multiplied else 1
-        q = torch.empty(layouts, N, K // 2, dtype=torch.uint8)
-        dm = torch.empty(layouts, N, K // reference.EXACT_BLOCK, 2)
-        threads = torch.get_num_threads()
-        if not self.lib.pd_exact_q4_blocks(weight.data_ptr(), N, K, q.data_ptr(), dm.data_ptr(), threads):
-            return None
-        if layouts == 2:
-            self.lib.pd_exact_q4_panels(q.data_ptr(), dm.data_ptr(), N, K, q[1].data_ptr(), dm[1].data_ptr(), threads)
-        return q, dm
 
     def _linear_exact(self, name: str, c_product: Callable[..., int],
                       unpack: Callable[[int, int, torch.Tensor], None], x: torch.Tensor, q: torch.Tensor,

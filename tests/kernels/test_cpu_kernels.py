@@ -162,7 +162,7 @@ def test_only_matrices_of_exact_q4_blocks_are_held_as_them(ops):
 
 def test_exact_blocks_are_held_by_panels_where_the_build_multiplies_by_them(ops):
     """x86 builds with AVX2 and FMA hold a matrix of whole panels (16 outputs) a second time by
-    panels, for the products of 5 rows to the fast rows; the rows' layout stays first (the decode
+    panels, for the products the strips took (from 4 or 5 rows); the rows' layout stays first (the decode
     rows, BLAS)."""
     panels = {"avx2", "fma"} <= cpu.cpu_flags() and platform.machine().lower() in ("x86_64", "amd64")
     assert bool(ops.lib.pd_exact_panels(48)) == panels and not ops.lib.pd_exact_panels(40)
