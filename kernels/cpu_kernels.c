@@ -982,7 +982,7 @@ int pd_exact_panels(int N) { return has_panels(N); }
 
 struct panel_fill_job { const uint8_t *rows; const float *params; uint8_t *bytes; float *floats; int K, form; };
 
-/* Panels [lo, hi) of pd_exact_panels_of. */
+/* Panels [lo, hi) of exact_panels_of. */
 static void panel_fill(const void *a, int lo, int hi) {
     const struct panel_fill_job *j = a;
     int K = j->K, G = K / EXACT_BLOCK, q4 = j->form == FORM_Q4;
