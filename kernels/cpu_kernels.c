@@ -816,8 +816,6 @@ int pd_outer_pad_16(int pad) {
 #endif
 }
 
-/* Rows by which a product's cost rises: its strips' narrowest step. */
-int pd_row_granule(void) { return PADDED_ROWS(17) - 16; }
 
 /* Set whether the 8 rows past strips of 16 take two weight blocks at once (1, 0; -1: leave it);
  * returns the setting, or -1 where the build has no pairs. */
@@ -1194,6 +1192,19 @@ static void panel_product(const float *x, const void *bytes, const float *floats
     parallel_rows(form == FORM_Q4 ? q4_panel_rows : q8_panel_rows, &job, panels, chunk < 1 ? 1 : chunk, threads);
 }
 #endif
+
+/* Rows by which a product's cost rises, for the step cost model: where exact blocks go by panels,
+ * their tiles' (AVX-512: 16, AVX2: 8; the default model's every product), else the strips'
+ * narrowest step (8, or 16 where pd_outer_choose timed whole strips of 16 faster: a choice that
+ * took a newcomer's slices beside a stream from 15 tokens to 7 between two engines, 2.8 s against
+ * 3.9 to its first token, once the panels made a decode 5 ms; 2-core Intel Xeon, 2026-12-04). */
+int pd_row_granule(void) {
+#ifdef PANEL
+    return PANEL_TILE_ROWS;
+#else
+    return PADDED_ROWS(17) - 16;
+#endif
+}
 
 /* pd_linear_f32 on a matrix held in exact blocks of either form (q8 or q4, the other NULL; scales
  * theirs): -2 if K is not whole blocks. */

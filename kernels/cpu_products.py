@@ -18,9 +18,9 @@ from . import FastRows, reference
 # kernel up to 96 rows made prompts of 48-96 tokens 0.64-0.87x as fast as fp32 on the default
 # model, 2026-11-26), except where the build's integer kernels say they go further
 # (pd_quant_max_rows: the VNNI builds' all the way, and AVX2's for int4).
-# Rows by which the fp32 products' cost rises (pd_row_granule: outer-product strips of 8, or of 16
-# past 16 rows where the CPU runs those faster, cpu_kernels.c): with 8, 41 rows cost what 48 do, 17
-# what 24 do. The AVX-512 VNNI integer kernels take rows 16 at a time, so with 8 every other step
+# Rows by which the fp32 products' cost rises (pd_row_granule: the panels' tiles where exact blocks
+# go by panels, else outer-product strips of 8, or of 16 past 16 rows where the CPU runs those
+# faster, cpu_kernels.c): with 8, 41 rows cost what 48 do, 17 what 24 do. The AVX-512 VNNI integer kernels take rows 16 at a time, so with 8 every other step
 # costs nothing there, which the step cost model's price per vector learns.
 # How C names a matrix's stored form (PD_WEIGHTS_* in cpu_kernels.c).
 WEIGHTS_F32, WEIGHTS_INT8, WEIGHTS_INT4, WEIGHTS_EXACT_INT8, WEIGHTS_EXACT_Q4 = range(5)
