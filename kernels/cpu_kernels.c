@@ -1047,6 +1047,20 @@ int pd_exact_int8_panels(const int8_t *q, const float *s, int N, int K, int8_t *
 #ifdef PANEL
 struct panel_job { const float *x; const uint8_t *bytes; const float *floats, *bias; float *y; int M, N, K; };
 
+/* A vector of a panel's weights at the two k of `pair` in group bytes b, rebuilt as the strips
+ * rebuild them (d * u + m, or s * q: exact). */
+INLINE void panel_weights(const uint8_t *b, int pair, pvec d, pvec m, pvec *w0, pvec *w1, const int form) {
+    if (form == FORM_Q4) {
+        pvec lo, hi;
+        PV_NIBBLES(PV_BYTES(b + pair * PANEL), lo, hi);
+        *w0 = PV_FMA(d, lo, m);
+        *w1 = PV_FMA(d, hi, m);
+    } else {
+        *w0 = PV_MUL(d, PV_S8(PV_BYTES(b + 2 * pair * PANEL)));
+        *w1 = PV_MUL(d, PV_S8(PV_BYTES(b + (2 * pair + 1) * PANEL)));
+    }
+}
+
 /* Panel p against activation rows [m0, m0 + R) (R and form constants once inlined: the sums in
  * registers), a vector of its outputs at a time. */
 INLINE void panel_tile(const struct panel_job *j, int p, int m0, const int R, const int form) {
@@ -1066,14 +1080,7 @@ INLINE void panel_tile(const struct panel_job *j, int p, int m0, const int R, co
             pvec d = PV_LOAD(f + h), m = form == FORM_Q4 ? PV_LOAD(f + PANEL + h) : d;
             for (int pair = 0; pair < EXACT_BLOCK / 2; pair++) {
                 pvec w0, w1;
-                if (form == FORM_Q4) {
-                    PV_NIBBLES(PV_BYTES(b + pair * PANEL), w0, w1);
-                    w0 = PV_FMA(d, w0, m);
-                    w1 = PV_FMA(d, w1, m);
-                } else {
-                    w0 = PV_MUL(d, PV_S8(PV_BYTES(b + 2 * pair * PANEL)));
-                    w1 = PV_MUL(d, PV_S8(PV_BYTES(b + (2 * pair + 1) * PANEL)));
-                }
+                panel_weights(b, pair, d, m, &w0, &w1, form);
                 const float *xk = xg + 2 * pair;
                 for (int r = 0; r < R; r++) acc[r] = PV_FMA(w0, PV_SET1(xk[(int64_t)r * K]), acc[r]);
                 for (int r = 0; r < R; r++) acc[r] = PV_FMA(w1, PV_SET1(xk[(int64_t)r * K + 1]), acc[r]);
@@ -1115,16 +1122,8 @@ INLINE void panel_few(const struct panel_job *j, int v0, const int nv, const int
         const float *xg = j->x + g * EXACT_BLOCK;
         for (int pair = 0; pair < EXACT_BLOCK / 2; pair++)
             for (int v = 0; v < nv; v++) {
-                const uint8_t *b = bytes[v] + g * GROUP_BYTES(form);
                 pvec w0, w1;
-                if (form == FORM_Q4) {
-                    PV_NIBBLES(PV_BYTES(b + pair * PANEL), w0, w1);
-                    w0 = PV_FMA(d[v], w0, m[v]);
-                    w1 = PV_FMA(d[v], w1, m[v]);
-                } else {
-                    w0 = PV_MUL(d[v], PV_S8(PV_BYTES(b + 2 * pair * PANEL)));
-                    w1 = PV_MUL(d[v], PV_S8(PV_BYTES(b + (2 * pair + 1) * PANEL)));
-                }
+                panel_weights(bytes[v] + g * GROUP_BYTES(form), pair, d[v], m[v], &w0, &w1, form);
                 for (int r = 0; r < R; r++) acc[r][v] = PV_FMA(w0, PV_SET1(xg[(int64_t)r * K + 2 * pair]), acc[r][v]);
                 for (int r = 0; r < R; r++) acc[r][v] = PV_FMA(w1, PV_SET1(xg[(int64_t)r * K + 2 * pair + 1]), acc[r][v]);
             }
