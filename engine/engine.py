@@ -248,7 +248,7 @@ class Engine:
             return {}
         seqs = [plan.items[i].seq for i in plain]
         tokens = sample(out.first_rows(plain), [s.params for s in seqs], [s.generator or self._generator for s in seqs],
-                        argmax=out.greedy, greedy_rows=self.runner.model.ops.greedy)
+                        argmax=out.greedy, greedy_rows=self.ops.greedy)
         # every row decodes again next, speculation off: the runner may queue that step first
         goes_on = plan.items if len(plain) == len(plan.items) and self.speculative.proposer is None else None
         tokens = self.runner.tokens_to_host(tokens, goes_on)

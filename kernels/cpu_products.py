@@ -236,9 +236,9 @@ class CpuProducts:
         N, K] and [layouts, N, K / 32]): the same results as pd_linear_f32 on W."""
         if not self._exact_input(x, q, scales, bias, torch.int8):
             return reference.linear_exact_int8(x, q, scales, bias)
-        rows, row_scales = reference.exact_rows(q, scales)
 
-        def unpack(n0: int, n1: int, out: torch.Tensor) -> None:
+        def unpack(n0: int, n1: int, out: torch.Tensor) -> None:      # (past the fast rows only)
+            rows, row_scales = reference.exact_rows(q, scales)
             out.copy_(reference.dequantize_exact_int8(rows[n0:n1], row_scales[n0:n1]))
         return self._linear_exact("exact int8 blocks", self.lib.pd_linear_exact_int8, unpack, x, q, scales, bias)
 
@@ -248,9 +248,9 @@ class CpuProducts:
         K / 2] and [layouts, N, K / 32, 2]): the same results as pd_linear_f32 on W."""
         if not self._exact_input(x, q, dm, bias, torch.uint8):
             return reference.linear_exact_q4(x, q, dm, bias)
-        rows, row_params = reference.exact_rows(q, dm)
 
-        def unpack(n0: int, n1: int, out: torch.Tensor) -> None:
+        def unpack(n0: int, n1: int, out: torch.Tensor) -> None:      # (past the fast rows only)
+            rows, row_params = reference.exact_rows(q, dm)
             self.lib.pd_unpack_exact_q4(rows[n0].data_ptr(), row_params[n0].data_ptr(), out.data_ptr(), n1 - n0,
                                         rows.shape[1] * 2, torch.get_num_threads())
         return self._linear_exact("exact Q4 blocks", self.lib.pd_linear_exact_q4, unpack, x, q, dm, bias)
