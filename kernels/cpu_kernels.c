@@ -432,16 +432,17 @@ struct outer_job {
 
 /* This thread's scratch of `bytes` (kept for its next calls: a fresh one per call would fault its
  * pages in each time); NULL if out of memory. */
-static void *thread_scratch(size_t bytes) {
-    static __thread void *buf;
-    static __thread size_t have;
-    if (bytes > have) {
-        void *grown = realloc(buf, bytes);
+enum scratch { SCRATCH_SUMS, SCRATCH_TILES, SCRATCHES };   /* a worker's sums; a caller's packed rows */
+static void *thread_scratch(enum scratch which, size_t bytes) {
+    static __thread void *buf[SCRATCHES];
+    static __thread size_t have[SCRATCHES];
+    if (bytes > have[which]) {
+        void *grown = realloc(buf[which], bytes);
         if (!grown) return NULL;
-        buf = grown;
-        have = bytes;
+        buf[which] = grown;
+        have[which] = bytes;
     }
-    return buf;
+    return buf[which];
 }
 
 /* One int8 weight row (stored q + 128) as floats: out = scale * q. */
@@ -747,7 +748,7 @@ static void span_store(const struct outer_job *j, int s0, int s1, const float *p
 static void outer_rows(const void *p, int lo, int hi) {
     const struct outer_job *j = p;
     size_t sums = (size_t)OUTER_SPAN_ROWS * j->MP;
-    float *part = thread_scratch(sizeof(float) * (sums + (j->w ? 0 : (size_t)OUTER_W * j->K)));
+    float *part = thread_scratch(SCRATCH_SUMS, sizeof(float) * (sums + (j->w ? 0 : (size_t)OUTER_W * j->K)));
     if (!part) {
         __atomic_store_n(j->failed, 1, __ATOMIC_RELAXED);
         return;
@@ -971,6 +972,16 @@ typedef __m256 pvec;
 #ifndef PANEL_AHEAD
 #define PANEL_AHEAD 2
 #endif
+/* Rows from which the tiles take x packed, k-major (pack_tiles). Row by row, a 16-row tile's
+ * broadcasts came from 32 pointers (each row's two k), more than the registers, reloaded from the
+ * stack every pair of k; packed, from one. On a 2-core Intel Xeon (AVX-512, 2026-12-04, x rewritten
+ * by the caller before each product as a layer's are, two threads) 16 rows against 3,072 x 576
+ * took 177 us packed against 211, 576 x 1,536 109 against 121, 32 rows 348 against 416 and 195
+ * against 222; below 16 rows no faster (5-12 rows within 4%, both ways). An -march=haswell build
+ * there (tiles of 8 rows, packed from 16 rows too) ran 16-32 rows 3-9% faster against 3,072 x 576
+ * and 2-7% slower against 576 x 1,536 (not measured on an AVX2-only CPU). A 16-stream decode in
+ * the engine went from 700 to 770-790 tok/s. */
+#define PANEL_PACK_ROWS 16
 #endif
 
 /* Whether a matrix of exact blocks with N rows is held by panels too (pd_exact_panels): where this
@@ -1045,7 +1056,7 @@ int pd_exact_int8_panels(const int8_t *q, const float *s, int N, int K, int8_t *
 }
 
 #ifdef PANEL
-struct panel_job { const float *x; const uint8_t *bytes; const float *floats, *bias; float *y; int M, N, K; };
+struct panel_job { const float *x; const uint8_t *bytes; const float *floats, *bias; float *y; int M, N, K, packed; };
 
 /* A vector of a panel's weights at the two k of `pair` in group bytes b, rebuilt as the strips
  * rebuild them (d * u + m, or s * q: exact). */
@@ -1061,10 +1072,12 @@ INLINE void panel_weights(const uint8_t *b, int pair, pvec d, pvec m, pvec *w0, 
     }
 }
 
-/* Panel p against activation rows [m0, m0 + R) (R and form constants once inlined: the sums in
- * registers), a vector of its outputs at a time. */
-INLINE void panel_tile(const struct panel_job *j, int p, int m0, const int R, const int form) {
+/* Panel p against activation rows [m0, m0 + R) (R, form and packed constants once inlined: the
+ * sums in registers), a vector of its outputs at a time. Packed (pack_tiles), the tile's rows come
+ * k-major, so that every broadcast is at a constant offset from one pointer; else row by row. */
+INLINE void panel_tile(const struct panel_job *j, int p, int m0, const int R, const int form, const int packed) {
     int G = j->K / EXACT_BLOCK, K = j->K;
+    int64_t row = packed ? 1 : K, step = packed ? PANEL_TILE_ROWS : 1;     /* x's strides: a row, a k */
     const uint8_t *bytes = j->bytes + (int64_t)p * G * GROUP_BYTES(form);
     const float *floats = j->floats + (int64_t)p * G * GROUP_FLOATS(form), *x = j->x + (int64_t)m0 * K;
     for (int h = 0; h < PANEL; h += PANEL_LANES) {
@@ -1072,7 +1085,7 @@ INLINE void panel_tile(const struct panel_job *j, int p, int m0, const int R, co
         for (int r = 0; r < R; r++) acc[r] = PV_ZERO();
         for (int g = 0; g < G; g++) {
             const uint8_t *b = bytes + g * GROUP_BYTES(form) + h;
-            const float *f = floats + g * GROUP_FLOATS(form), *xg = x + g * EXACT_BLOCK;
+            const float *f = floats + g * GROUP_FLOATS(form), *xg = x + g * EXACT_BLOCK * step;
             if (m0 == 0 && h == 0) {   /* PANEL_AHEAD groups on (into the next panel at the end: the next in memory) */
                 for (int i = 0; i < GROUP_BYTES(form); i += 64) __builtin_prefetch(b + PANEL_AHEAD * GROUP_BYTES(form) + i, 0, INTO_L1);
                 for (int i = 0; i < GROUP_FLOATS(form); i += 16) __builtin_prefetch(f + PANEL_AHEAD * GROUP_FLOATS(form) + i, 0, INTO_L1);
@@ -1081,9 +1094,9 @@ INLINE void panel_tile(const struct panel_job *j, int p, int m0, const int R, co
             for (int pair = 0; pair < EXACT_BLOCK / 2; pair++) {
                 pvec w0, w1;
                 panel_weights(b, pair, d, m, &w0, &w1, form);
-                const float *xk = xg + 2 * pair;
-                for (int r = 0; r < R; r++) acc[r] = PV_FMA(w0, PV_SET1(xk[(int64_t)r * K]), acc[r]);
-                for (int r = 0; r < R; r++) acc[r] = PV_FMA(w1, PV_SET1(xk[(int64_t)r * K + 1]), acc[r]);
+                const float *xk = xg + 2 * pair * step;
+                for (int r = 0; r < R; r++) acc[r] = PV_FMA(w0, PV_SET1(xk[r * row]), acc[r]);
+                for (int r = 0; r < R; r++) acc[r] = PV_FMA(w1, PV_SET1(xk[r * row + step]), acc[r]);
             }
         }
         pvec bias = j->bias ? PV_LOAD(j->bias + p * PANEL + h) : PV_ZERO();
@@ -1160,8 +1173,10 @@ static void q8_panel_few(const void *a, int lo, int hi) { panel_few_rows_of(a, l
 INLINE void panel_rows_of(const struct panel_job *j, int lo, int hi, const int form) {
     for (int p = lo; p < hi; p++)
         for (int m0 = 0; m0 < j->M; m0 += PANEL_TILE_ROWS) {
-            switch (j->M - m0 < PANEL_TILE_ROWS ? j->M - m0 : PANEL_TILE_ROWS) {  /* a copy per count */
-#define PANEL_TILE(R) case R: panel_tile(j, p, m0, R, form); break;
+            int R = j->M - m0 < PANEL_TILE_ROWS ? j->M - m0 : PANEL_TILE_ROWS;
+            switch (R * 2 + j->packed) {  /* a copy per count of rows, packed or not */
+#define PANEL_TILE(R) case 2 * (R): panel_tile(j, p, m0, R, form, 0); break; \
+                      case 2 * (R) + 1: panel_tile(j, p, m0, R, form, 1); break;
             PANEL_TILE(1) PANEL_TILE(2) PANEL_TILE(3) PANEL_TILE(4) PANEL_TILE(5) PANEL_TILE(6) PANEL_TILE(7)
             PANEL_TILE(8)
 #if PANEL_TILE_ROWS == 16
@@ -1176,19 +1191,34 @@ INLINE void panel_rows_of(const struct panel_job *j, int lo, int hi, const int f
 static void q4_panel_rows(const void *a, int lo, int hi) { panel_rows_of(a, lo, hi, FORM_Q4); }
 static void q8_panel_rows(const void *a, int lo, int hi) { panel_rows_of(a, lo, hi, FORM_Q8); }
 
+/* x's rows by tiles of PANEL_TILE_ROWS, each k-major (tile t's row r at k: xt[(t * K + k) * TILE + r]). */
+static void pack_tiles(const float *x, float *xt, int M, int K) {
+    for (int m0 = 0; m0 < M; m0 += PANEL_TILE_ROWS)
+        transpose_rows(x + (int64_t)m0 * K, xt + (int64_t)m0 * K, M - m0 < PANEL_TILE_ROWS ? M - m0 : PANEL_TILE_ROWS,
+                       PANEL_TILE_ROWS, K);
+}
+
 /* y = x @ W^T + bias by panels, M rows at once; panels go out in chunks of an eighth of a
- * thread's share (as outer_product's rows). */
-static void panel_product(const float *x, const void *bytes, const float *floats, const float *bias, float *y,
-                          int M, int N, int K, int form, int threads) {
-    struct panel_job job = {x, bytes, floats, bias, y, M, N, K};
+ * thread's share (as outer_product's rows). From PANEL_PACK_ROWS rows on, x goes packed (the
+ * caller's scratch, read by every thread): -1 if out of memory. */
+static int panel_product(const float *x, const void *bytes, const float *floats, const float *bias, float *y,
+                         int M, int N, int K, int form, int threads) {
+    struct panel_job job = {x, bytes, floats, bias, y, M, N, K, M >= PANEL_PACK_ROWS};
     if (M < OUTER_MIN_ROWS) {
         int vectors = N / PANEL_LANES, chunk = (vectors / (4 * threads) + FEW_VECTORS - 1) / FEW_VECTORS * FEW_VECTORS;
         parallel_rows(form == FORM_Q4 ? q4_panel_few : q8_panel_few, &job, vectors, chunk < FEW_VECTORS ? FEW_VECTORS : chunk,
                       threads);
-        return;
+        return 0;
+    }
+    if (job.packed) {
+        float *xt = thread_scratch(SCRATCH_TILES, sizeof(float) * K * ((M + PANEL_TILE_ROWS - 1) / PANEL_TILE_ROWS * PANEL_TILE_ROWS));
+        if (!xt) return -1;
+        pack_tiles(x, xt, M, K);
+        job.x = xt;
     }
     int panels = N / PANEL, chunk = panels / (8 * threads);
     parallel_rows(form == FORM_Q4 ? q4_panel_rows : q8_panel_rows, &job, panels, chunk < 1 ? 1 : chunk, threads);
+    return 0;
 }
 #endif
 
@@ -1214,9 +1244,8 @@ static int linear_exact(const float *x, const int8_t *q8, const uint8_t *q4, con
 #ifdef PANEL
     if (has_panels(N) && M <= PANEL_MAX_ROWS) {   /* the panels follow the rows' layout */
         int64_t G = K / EXACT_BLOCK;
-        if (q4) panel_product(x, q4 + (int64_t)N * (K / 2), scales + N * G * 2, bias, y, M, N, K, FORM_Q4, threads);
-        else panel_product(x, q8 + (int64_t)N * K, scales + N * G, bias, y, M, N, K, FORM_Q8, threads);
-        return 0;
+        if (q4) return panel_product(x, q4 + (int64_t)N * (K / 2), scales + N * G * 2, bias, y, M, N, K, FORM_Q4, threads);
+        return panel_product(x, q8 + (int64_t)N * K, scales + N * G, bias, y, M, N, K, FORM_Q8, threads);
     }
 #endif
     if (M >= OUTER_MIN_ROWS) return outer_product(x, NULL, NULL, q8, q4, scales, bias, y, M, N, K, threads);
@@ -2301,7 +2330,7 @@ static void int_outer_rows(const void *p, int lo, int hi) {
     int per_chunk = OUTER_KC / (int8 ? QBLOCK : Q4_GROUP), chunks = j->K / (int8 ? QBLOCK : Q4_GROUP);
     /* the sums, then int4's unpacked chunk (dm, u: 40 KB, unused by int8) */
     size_t floats = (size_t)OUTER_NC * panel + 2 * OUTER_NC * (OUTER_KC / Q4_GROUP);
-    float *part = thread_scratch(sizeof(float) * floats + (size_t)OUTER_NC * OUTER_KC);
+    float *part = thread_scratch(SCRATCH_SUMS, sizeof(float) * floats + (size_t)OUTER_NC * OUTER_KC);
     if (!part) {
         __atomic_store_n(j->failed, 1, __ATOMIC_RELAXED);
         return;
