@@ -430,8 +430,8 @@ struct outer_job {
     int *failed;              /* set when a thread could not get its buffer */
 };
 
-/* This thread's scratch of `bytes` (kept for its next calls: a fresh one per call would fault its
- * pages in each time); NULL if out of memory. */
+/* This thread's scratch `which` of `bytes` (kept for its next calls: a fresh one per call would
+ * fault its pages in each time); NULL if out of memory. */
 enum scratch { SCRATCH_SUMS, SCRATCH_TILES, SCRATCHES };   /* a worker's sums; a caller's packed rows */
 static void *thread_scratch(enum scratch which, size_t bytes) {
     static __thread void *buf[SCRATCHES];
@@ -1211,7 +1211,8 @@ static int panel_product(const float *x, const void *bytes, const float *floats,
         return 0;
     }
     if (job.packed) {
-        float *xt = thread_scratch(SCRATCH_TILES, sizeof(float) * K * ((M + PANEL_TILE_ROWS - 1) / PANEL_TILE_ROWS * PANEL_TILE_ROWS));
+        int tiles = (M + PANEL_TILE_ROWS - 1) / PANEL_TILE_ROWS;
+        float *xt = thread_scratch(SCRATCH_TILES, sizeof(float) * K * tiles * PANEL_TILE_ROWS);
         if (!xt) return -1;
         pack_tiles(x, xt, M, K);
         job.x = xt;
