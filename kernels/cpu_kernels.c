@@ -1072,6 +1072,13 @@ INLINE void panel_weights(const uint8_t *b, int pair, pvec d, pvec m, pvec *w0, 
     }
 }
 
+/* Into L1, the group PANEL_AHEAD on from group bytes b and floats f (into the next panel at a
+ * panel's end: the next in memory; a fetch past the matrix does not fault). */
+INLINE void fetch_group_ahead(const uint8_t *b, const float *f, const int form) {
+    for (int i = 0; i < GROUP_BYTES(form); i += 64) __builtin_prefetch(b + PANEL_AHEAD * GROUP_BYTES(form) + i, 0, INTO_L1);
+    for (int i = 0; i < GROUP_FLOATS(form); i += 16) __builtin_prefetch(f + PANEL_AHEAD * GROUP_FLOATS(form) + i, 0, INTO_L1);
+}
+
 /* Panel p against activation rows [m0, m0 + R) (R, form and packed constants once inlined: the
  * sums in registers), a vector of its outputs at a time. Packed (pack_tiles), the tile's rows come
  * k-major, so that every broadcast is at a constant offset from one pointer; else row by row. */
@@ -1086,10 +1093,7 @@ INLINE void panel_tile(const struct panel_job *j, int p, int m0, const int R, co
         for (int g = 0; g < G; g++) {
             const uint8_t *b = bytes + g * GROUP_BYTES(form) + h;
             const float *f = floats + g * GROUP_FLOATS(form), *xg = x + g * EXACT_BLOCK * step;
-            if (m0 == 0 && h == 0) {   /* PANEL_AHEAD groups on (into the next panel at the end: the next in memory) */
-                for (int i = 0; i < GROUP_BYTES(form); i += 64) __builtin_prefetch(b + PANEL_AHEAD * GROUP_BYTES(form) + i, 0, INTO_L1);
-                for (int i = 0; i < GROUP_FLOATS(form); i += 16) __builtin_prefetch(f + PANEL_AHEAD * GROUP_FLOATS(form) + i, 0, INTO_L1);
-            }
+            if (m0 == 0 && h == 0) fetch_group_ahead(b, f, form);
             pvec d = PV_LOAD(f + h), m = form == FORM_Q4 ? PV_LOAD(f + PANEL + h) : d;
             for (int pair = 0; pair < EXACT_BLOCK / 2; pair++) {
                 pvec w0, w1;
@@ -1125,10 +1129,7 @@ INLINE void panel_few(const struct panel_job *j, int v0, const int nv, const int
         for (int v = 0; v < nv; v++) {
             const uint8_t *b = bytes[v] + g * GROUP_BYTES(form);
             const float *f = floats[v] + g * GROUP_FLOATS(form);
-            if (((v0 + v) * PANEL_LANES) % PANEL == 0) {      /* a panel's first vector fetches for it */
-                for (int i = 0; i < GROUP_BYTES(form); i += 64) __builtin_prefetch(b + PANEL_AHEAD * GROUP_BYTES(form) + i, 0, INTO_L1);
-                for (int i = 0; i < GROUP_FLOATS(form); i += 16) __builtin_prefetch(f + PANEL_AHEAD * GROUP_FLOATS(form) + i, 0, INTO_L1);
-            }
+            if (((v0 + v) * PANEL_LANES) % PANEL == 0) fetch_group_ahead(b, f, form);   /* a panel's first vector's */
             d[v] = PV_LOAD(f);
             m[v] = form == FORM_Q4 ? PV_LOAD(f + PANEL) : d[v];
         }
