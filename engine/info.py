@@ -28,7 +28,8 @@ def _cpu_kernels() -> str:
     narrow = "; 48 rows as three strips of 16 (timed faster here)" if lib.pd_outer_narrow_48(-1) == 1 else ""
     single = "; the 8 rows past strips of 16 against one weight block at a time (timed faster here)" \
         if lib.pd_outer_pair_8(-1) == 0 else ""
-    return f"C, int8 and int4 products on {cpu.int8_path(lib).title}{narrow}{single}"
+    tiles = "; exact blocks on AMX tiles" if lib.pd_exact_amx(-1) else ""
+    return f"C, int8 and int4 products on {cpu.int8_path(lib).title}{narrow}{single}{tiles}"
 
 
 def gpu_info() -> dict[str, str]:

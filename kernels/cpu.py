@@ -29,7 +29,7 @@ from .cpu_attention import CpuAttention
 from .cpu_products import WEIGHTS_EXACT_INT8, WEIGHTS_EXACT_Q4, weight_columns, weight_format
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-HEADERS = (Path(__file__).with_name("cpu_pool.h"),)
+HEADERS = (Path(__file__).with_name("cpu_pool.h"), Path(__file__).with_name("cpu_amx.h"))
 # What the code needs whatever it is built for. -fopenmp-simd: the `omp simd` pragmas without the
 # OpenMP runtime (threads are the C pool's; macOS's clang has no -fopenmp). -fno-trapping-math: the
 # kernels never read floating-point exception flags, and GCC, keeping them exact, would not
@@ -184,6 +184,7 @@ _SIGNATURES = {
     "pd_linear_exact_q4": ([_P, _P, _P, _P, _P, _I, _I, _I, _I], _I),
     "pd_unpack_exact_q4": ([_P, _P, _P, _I, _I, _I], None),
     "pd_exact_panels": ([_I], _I),
+    "pd_exact_amx": ([_I], _I),
     "pd_exact_q4_panels": ([_P, _P, _I, _I, _P, _P, _I], _I),
     "pd_exact_int8_panels": ([_P, _P, _I, _I, _P, _P, _I], _I),
     "pd_linear_q4": ([_P, _P, _P, _P, _P, _I, _I, _I, _I], _I),

@@ -432,7 +432,7 @@ struct outer_job {
 
 /* This thread's scratch `which` of `bytes` (kept for its next calls: a fresh one per call would
  * fault its pages in each time); NULL if out of memory. */
-enum scratch { SCRATCH_SUMS, SCRATCH_TILES, SCRATCHES };   /* a worker's sums; a caller's packed rows */
+enum scratch { SCRATCH_SUMS, SCRATCH_TILES, SCRATCH_AMX, SCRATCHES };  /* a worker's sums; a caller's packed rows; AMX's rings */
 static void *thread_scratch(enum scratch which, size_t bytes) {
     static __thread void *buf[SCRATCHES];
     static __thread size_t have[SCRATCHES];
@@ -997,6 +997,9 @@ static int has_panels(int N) {
 
 int pd_exact_panels(int N) { return has_panels(N); }
 
+/* Whether a product of M rows of exact blocks goes on AMX tiles (cpu_amx.h). */
+static int on_tiles(int M);
+
 #ifdef PANEL
 /* The bytes of a panel's group of 32 k and its floats (scales, or (d, m)) in a form's layout. */
 #define GROUP_BYTES(form) ((form) == FORM_Q4 ? EXACT_BLOCK / 2 * PANEL : EXACT_BLOCK * PANEL)
@@ -1072,11 +1075,11 @@ INLINE void panel_weights(const uint8_t *b, int pair, pvec d, pvec m, pvec *w0, 
     }
 }
 
-/* Into L1, the group PANEL_AHEAD on from group bytes b and floats f (into the next panel at a
- * panel's end: the next in memory; a fetch past the matrix does not fault). */
-INLINE void fetch_group_ahead(const uint8_t *b, const float *f, const int form) {
-    for (int i = 0; i < GROUP_BYTES(form); i += 64) __builtin_prefetch(b + PANEL_AHEAD * GROUP_BYTES(form) + i, 0, INTO_L1);
-    for (int i = 0; i < GROUP_FLOATS(form); i += 16) __builtin_prefetch(f + PANEL_AHEAD * GROUP_FLOATS(form) + i, 0, INTO_L1);
+/* Into L1, the group `ahead` on from group bytes b and floats f (into the next panel at a panel's
+ * end: the next in memory; a fetch past the matrix does not fault). */
+INLINE void fetch_group_ahead(const uint8_t *b, const float *f, const int ahead, const int form) {
+    for (int i = 0; i < GROUP_BYTES(form); i += 64) __builtin_prefetch(b + ahead * GROUP_BYTES(form) + i, 0, INTO_L1);
+    for (int i = 0; i < GROUP_FLOATS(form); i += 16) __builtin_prefetch(f + ahead * GROUP_FLOATS(form) + i, 0, INTO_L1);
 }
 
 /* Panel p against activation rows [m0, m0 + R) (R, form and packed constants once inlined: the
@@ -1093,7 +1096,7 @@ INLINE void panel_tile(const struct panel_job *j, int p, int m0, const int R, co
         for (int g = 0; g < G; g++) {
             const uint8_t *b = bytes + g * GROUP_BYTES(form) + h;
             const float *f = floats + g * GROUP_FLOATS(form), *xg = x + g * EXACT_BLOCK * step;
-            if (m0 == 0 && h == 0) fetch_group_ahead(b, f, form);
+            if (m0 == 0 && h == 0) fetch_group_ahead(b, f, PANEL_AHEAD, form);
             pvec d = PV_LOAD(f + h), m = form == FORM_Q4 ? PV_LOAD(f + PANEL + h) : d;
             for (int pair = 0; pair < EXACT_BLOCK / 2; pair++) {
                 pvec w0, w1;
@@ -1129,7 +1132,7 @@ INLINE void panel_few(const struct panel_job *j, int v0, const int nv, const int
         for (int v = 0; v < nv; v++) {
             const uint8_t *b = bytes[v] + g * GROUP_BYTES(form);
             const float *f = floats[v] + g * GROUP_FLOATS(form);
-            if (((v0 + v) * PANEL_LANES) % PANEL == 0) fetch_group_ahead(b, f, form);   /* a panel's first vector's */
+            if (((v0 + v) * PANEL_LANES) % PANEL == 0) fetch_group_ahead(b, f, PANEL_AHEAD, form);   /* a panel's first vector's */
             d[v] = PV_LOAD(f);
             m[v] = form == FORM_Q4 ? PV_LOAD(f + PANEL) : d[v];
         }
@@ -1199,11 +1202,16 @@ static void pack_tiles(const float *x, float *xt, int M, int K) {
                        PANEL_TILE_ROWS, K);
 }
 
+#include "cpu_amx.h"    /* exact blocks on AMX tiles, where the CPU has them */
+
 /* y = x @ W^T + bias by panels, M rows at once; panels go out in chunks of an eighth of a
  * thread's share (as outer_product's rows). From PANEL_PACK_ROWS rows on, x goes packed (the
- * caller's scratch, read by every thread): -1 if out of memory. */
+ * caller's scratch, read by every thread): -1 if out of memory. On AMX from AMX_MIN_ROWS rows. */
 static int panel_product(const float *x, const void *bytes, const float *floats, const float *bias, float *y,
                          int M, int N, int K, int form, int threads) {
+#ifdef AMX_PRODUCTS
+    if (amx_takes(M)) return amx_product(x, bytes, floats, bias, y, M, N, K, form, threads);
+#endif
     struct panel_job job = {x, bytes, floats, bias, y, M, N, K, M >= PANEL_PACK_ROWS};
     if (M < OUTER_MIN_ROWS) {
         int vectors = N / PANEL_LANES, chunk = (vectors / (4 * threads) + FEW_VECTORS - 1) / FEW_VECTORS * FEW_VECTORS;
@@ -1223,6 +1231,27 @@ static int panel_product(const float *x, const void *bytes, const float *floats,
     return 0;
 }
 #endif
+
+static int on_tiles(int M) {
+#ifdef AMX_PRODUCTS
+    return amx_takes(M);
+#else
+    (void)M;
+    return 0;
+#endif
+}
+
+/* Whether exact blocks go on AMX tiles from AMX_MIN_ROWS rows: on (the default) where the build and
+ * the OS allow it; on = 0 or 1 turns them off or back on, -1 only asks. */
+int pd_exact_amx(int on) {
+#ifdef AMX_PRODUCTS
+    if (on >= 0) amx_wanted = on;
+    return amx_wanted && amx_granted();
+#else
+    (void)on;
+    return 0;
+#endif
+}
 
 /* Rows by which a product's cost rises, for the step cost model: where exact blocks go by panels,
  * their tiles' (AVX-512: 16, AVX2: 8; the default model's every product), else the strips'
@@ -1244,7 +1273,7 @@ static int linear_exact(const float *x, const int8_t *q8, const uint8_t *q4, con
     if (K % EXACT_BLOCK) return -2;
     if (M <= 0) return 0;
 #ifdef PANEL
-    if (has_panels(N) && M <= PANEL_MAX_ROWS) {   /* the panels follow the rows' layout */
+    if (has_panels(N) && (M <= PANEL_MAX_ROWS || on_tiles(M))) {   /* the panels follow the rows' layout */
         int64_t G = K / EXACT_BLOCK;
         if (q4) return panel_product(x, q4 + (int64_t)N * (K / 2), scales + N * G * 2, bias, y, M, N, K, FORM_Q4, threads);
         return panel_product(x, q8 + (int64_t)N * K, scales + N * G, bias, y, M, N, K, FORM_Q8, threads);

@@ -209,9 +209,11 @@ class CpuProducts:
                       unpack: Callable[[int, int, torch.Tensor], None], x: torch.Tensor, q: torch.Tensor,
                       scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ W^T + bias for W held in exact blocks (`name` for errors): C up to the rows this
-        machine runs there, else BLAS on weights rebuilt a slice at a time by unpack(n0, n1, out)."""
+        machine runs there (every count where they go on AMX tiles: faster than BLAS, and a row's
+        sums the same whatever the count), else BLAS on weights rebuilt a slice at a time by
+        unpack(n0, n1, out)."""
         N = q.shape[-2]
-        if not self._in_c(x.shape[0]):
+        if not (self._in_c(x.shape[0]) or (q.shape[0] == 2 and self.lib.pd_exact_amx(-1))):
             return self.sliced.matmul(x, N, unpack, bias)
         y = x.new_empty(x.shape[0], N)
         status = c_product(x.data_ptr(), q.data_ptr(), scales.data_ptr(), bias.data_ptr() if bias is not None else None,

@@ -1,7 +1,8 @@
 """A model whose embedding and LM head are GGUF Q8_0 matrices read as fp32 (the default model's
 embedding and tied head), or whose layer matrices are Q4_1 ones (the default model's layers): on
 the CPU kernels they are held as exact blocks (int8, a quarter of the bytes; Q4, under a fifth),
-and the model's numbers do not move by a bit."""
+and the model's numbers do not move by a bit (off AMX tiles: on them, within rounding, the last
+test)."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pdchat.engine import Engine, SamplingParams, quant
+from pdchat.engine import Engine, SamplingParams, paths, quant
 from pdchat.engine.random_models import byte_tokenizer, preset_config, random_state_dict
 from pdchat.kernels import cpu, reference
 
@@ -31,6 +32,24 @@ LONG_PROMPT = list(range(3, 253)) + list(range(3, 53))   # 300 tokens: past ever
 LEFT_FP32 = "model.layers.1.mlp.down_proj.weight"     # one layer matrix not of the form: held as it is
 
 
+@pytest.fixture
+def fp32_sums(monkeypatch):
+    """Every kernel library the test loads sums exact blocks as its fp32 products do (off AMX
+    tiles, where the build takes them there); on again afterwards (the default)."""
+    loaded = []
+    real = cpu.library
+
+    def library(*args, **kwargs):
+        lib = real(*args, **kwargs)
+        lib.pd_exact_amx(0)
+        loaded.append(lib)
+        return lib
+    monkeypatch.setattr(cpu, "library", library)
+    yield
+    for lib in loaded:
+        lib.pd_exact_amx(1)
+
+
 @pytest.fixture(scope="module")
 def q4_folder(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("q4-layers")
@@ -45,7 +64,7 @@ def q4_folder(tmp_path_factory) -> Path:
     return folder
 
 
-def test_q4_1_layers_are_held_as_exact_blocks_and_change_no_number(q4_folder, monkeypatch):
+def test_q4_1_layers_are_held_as_exact_blocks_and_change_no_number(q4_folder, monkeypatch, fp32_sums):
     with monkeypatch.context() as mp:
         mp.setattr(cpu.CpuKernels, "exact_q4_blocks", lambda self, weight, multiplied=True: None)
         plain, fp_logits, fp_tokens = run(q4_folder)
@@ -113,7 +132,7 @@ def as_fp32(q8_folder) -> tuple[torch.Tensor, list[int], int]:
             return logits, tokens, engine.stats().model_bytes
 
 
-def test_q8_0_heads_are_held_as_exact_blocks_and_change_no_number(q8_folder, as_fp32):
+def test_q8_0_heads_are_held_as_exact_blocks_and_change_no_number(q8_folder, as_fp32, fp32_sums):
     engine, logits, tokens = run(q8_folder)
     with engine:
         model = engine.loaded.model
@@ -133,7 +152,7 @@ def test_q8_0_heads_are_held_as_exact_blocks_and_change_no_number(q8_folder, as_
         assert fp_bytes - engine.stats().model_bytes == saved
 
 
-def test_precision_switches_and_the_self_draft_keep_exact_heads(q8_folder, as_fp32):
+def test_precision_switches_and_the_self_draft_keep_exact_heads(q8_folder, as_fp32, fp32_sums):
     engine, logits, _ = run(q8_folder)
     with engine:
         embed = engine.loaded.model.embed
@@ -154,3 +173,19 @@ def test_precision_switches_and_the_self_draft_keep_exact_heads(q8_folder, as_fp
 def test_matrices_not_of_that_form_stay_fp32(tiny_engine):
     model = tiny_engine.loaded.model
     assert model.embed.weight is not None and "none" not in model.embed.quantized
+
+
+def test_on_amx_tiles_exact_blocks_decode_the_fp32_tokens_within_rounding(q4_folder, monkeypatch):
+    """Where the CPU has AMX tiles, exact blocks go on them from 4 rows: the numbers move by fp32
+    rounding, not the greedy tokens."""
+    if not cpu.library(paths.cache_dir()).pd_exact_amx(-1):        # the engine's build
+        pytest.skip("no AMX tiles in this build (an x86 CPU with amx_tile, amx_bf16 and avx512_bf16)")
+    engine, logits, tokens = run(q4_folder)
+    engine.close()
+    with monkeypatch.context() as mp:
+        mp.setattr(cpu.CpuKernels, "exact_q4_blocks", lambda self, weight, multiplied=True: None)
+        plain, fp_logits, fp_tokens = run(q4_folder)
+        plain.close()
+    assert not torch.equal(logits, fp_logits)
+    torch.testing.assert_close(logits, fp_logits, atol=1e-4, rtol=1e-4)
+    assert tokens == fp_tokens

@@ -107,6 +107,15 @@ def fp32_products(ops, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None 
     return ops.linear(torch.cat([x, x.new_zeros(5, x.shape[1])]), w, b)[:x.shape[0]]
 
 
+@pytest.fixture
+def fp32_sums(ops):
+    """The build's exact blocks summed as its fp32 products sum them: off AMX tiles, where the build
+    takes them there (pd_exact_amx: on again after the test, the default)."""
+    ops.lib.pd_exact_amx(0)
+    yield ops
+    ops.lib.pd_exact_amx(1)
+
+
 # Each form of exact blocks: the matrix maker, the ops' search and product, the reference's rebuild.
 EXACT_FORMS = {
     "int8": (exact_blocks, "exact_int8_blocks", "linear_exact_int8", reference.dequantize_exact_int8),
@@ -119,7 +128,8 @@ EXACT_FORMS = {
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("many_in_c", [True, False])
 @pytest.mark.parametrize("outputs", [83, 96])     # 96: whole panels of 16 (the panel products, AVX-512)
-def test_exact_blocks_give_the_fp32_products_bit_for_bit(ops, form, rows, bias, many_in_c, outputs, monkeypatch):
+def test_exact_blocks_give_the_fp32_products_bit_for_bit(fp32_sums, form, rows, bias, many_in_c, outputs, monkeypatch):
+    ops = fp32_sums
     make, find, product, rebuild = EXACT_FORMS[form]
     chose(monkeypatch, ops, "products", many_in_c)
     w, q, scales = make(outputs, 192, seed=rows)
@@ -133,6 +143,56 @@ def test_exact_blocks_give_the_fp32_products_bit_for_bit(ops, form, rows, bias, 
     else:
         torch.testing.assert_close(got, reference.linear(x, w, b), **TOL)
     torch.testing.assert_close(got, reference.linear(x, rebuild(q, scales), b), **TOL)
+
+
+AMX_MIN_ROWS = 4        # cpu_amx.h: fewer rows stay on the AVX-512 panels
+
+
+def on_tiles(ops) -> bool:
+    """Whether this build puts exact blocks on AMX tiles (x86 with AMX and AVX-512 BF16, Linux granting the tiles)."""
+    return bool(ops.lib.pd_exact_amx(-1))
+
+
+def test_exact_blocks_go_on_amx_tiles_only_where_the_cpu_has_them(ops):
+    if not {"amx_tile", "amx_bf16", "avx512_bf16"} <= cpu.cpu_flags():
+        assert not on_tiles(ops)
+    was = on_tiles(ops)
+    assert ops.lib.pd_exact_amx(0) == 0
+    assert ops.lib.pd_exact_amx(1) == was
+
+
+@pytest.mark.parametrize("form", sorted(EXACT_FORMS))
+@pytest.mark.parametrize("bias", [False, True])
+def test_exact_blocks_on_amx_tiles_sum_each_row_alone_within_fp32_rounding(ops, form, bias):
+    """On AMX tiles from AMX_MIN_ROWS rows (activations as three exact bf16 parts, each group's
+    products summed by the tile, its scale applied in fp32): a row's results are the same bits
+    whatever rows share its product and wherever it sits among them, and as close to the exact
+    sums as the fp32 products' are; fewer rows keep the fp32 products' bits."""
+    if not on_tiles(ops):
+        pytest.skip("no AMX tiles in this build (an x86 CPU with amx_tile, amx_bf16 and avx512_bf16, "
+                    "and Linux granting the tiles)")
+    make, find, product, _ = EXACT_FORMS[form]
+    w, _, _ = make(96, 320, seed=11)
+    held = getattr(ops, find)(w)
+    x, b = rand(150, 320, seed=3), rand(96, seed=4) if bias else None
+    full = getattr(ops, product)(x, *held, b)
+    for rows in (AMX_MIN_ROWS, 5, 16, 17, 40):
+        assert torch.equal(getattr(ops, product)(x[:rows].contiguous(), *held, b), full[:rows])
+    assert torch.equal(getattr(ops, product)(x[61:66].contiguous(), *held, b), full[61:66])
+    for rows in range(1, AMX_MIN_ROWS):
+        assert torch.equal(getattr(ops, product)(x[:rows].contiguous(), *held, b),
+                           fp32_products(ops, x[:rows], w, b, by_panels=True))
+    exact = x.double() @ w.double().T + (b.double() if bias else 0)
+    scale = x.double().abs() @ w.double().abs().T          # the size of what each sum adds
+    ops.lib.pd_exact_amx(0)
+    try:
+        fp32 = getattr(ops, product)(x, *held, b)
+    finally:
+        ops.lib.pd_exact_amx(1)
+    assert not torch.equal(full, fp32)                     # the tiles did the sums
+    tiles_error = ((full.double() - exact).abs() / scale).max().item()
+    fp32_error = ((fp32.double() - exact).abs() / scale).max().item()
+    assert tiles_error <= max(fp32_error, 2 ** -24)        # (a part of x left out: ~2^-17 or worse)
 
 
 def test_exact_q4_blocks_rebuild_for_blas_as_the_reference_does(ops):
